@@ -1,0 +1,359 @@
+"""Typed, validated configuration for every stage, loaded from ``params.yaml``.
+
+One loader (:func:`load_params`) for the whole project. Every section is a frozen
+pydantic model with ``extra="forbid"``: an unknown key, a wrong type or an impossible
+value fails at load time with the key path and what was expected, e.g.::
+
+    params.yaml: phases.phase3.mix.laoin: phase mixes a source that is not defined
+    under 'sources' (defined: diffusiondb, laion)
+
+Stage modules take only their own section(s); they never see the raw dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCRATCH = "scratch"
+"""``init_from`` value of a phase that starts from the seeded random UNet."""
+
+
+class ConfigError(ValueError):
+    """A params file that does not validate; the message names the key path."""
+
+
+class Section(BaseModel):
+    """Base of every config section: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+RGB = tuple[int, int, int]
+
+
+class Paths(Section):
+    """Every on-disk location of the pipeline (relative to the repo root)."""
+
+    demo_source: str
+    metadata: str
+    filtered: str
+    shards: str
+    latents: str
+    models: str
+    mixes: str
+    checkpoints: str
+    runs: str
+    eval: str
+    metrics: str
+
+
+class Tracking(Section):
+    """MLflow: tracking URI (overridden by ``MLFLOW_TRACKING_URI``) and experiment."""
+
+    mlflow_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "sdforge"
+
+
+class DemoData(Section):
+    """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
+
+    enabled: bool = True
+    seed: int = 0
+    image_size: int = Field(48, ge=16)
+    laion_rows: int = Field(0, ge=0)
+    archive_images: int = Field(0, ge=0)
+    http_port: int = Field(8765, ge=1024, le=65535)
+    colours: dict[str, RGB]
+    shapes: list[Literal["circle", "square", "triangle"]]
+    backgrounds: dict[str, RGB]
+    # rows the quality filter must drop / the fetch must survive, each a count
+    low_aesthetic_rows: int = Field(0, ge=0)
+    watermark_rows: int = Field(0, ge=0)
+    nsfw_rows: int = Field(0, ge=0)
+    small_rows: int = Field(0, ge=0)
+    duplicate_rows: int = Field(0, ge=0)
+    missing_rows: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _names_disjoint(self) -> DemoData:
+        if self.enabled and (not self.colours or not self.shapes or not self.backgrounds):
+            raise ValueError("demo needs at least one colour, shape and background")
+        return self
+
+
+class Columns(Section):
+    """Column names of a LAION-style metadata parquet (mirrors spell them differently)."""
+
+    url: str = "URL"
+    caption: str = "TEXT"
+    width: str = "WIDTH"
+    height: str = "HEIGHT"
+    similarity: str = "similarity"
+    punsafe: str = "punsafe"
+    pwatermark: str = "pwatermark"
+    aesthetic: str = "AESTHETIC_SCORE"
+    hash: str = "hash"
+
+
+class FilterRules(Section):
+    """Quality-filter thresholds; ``None`` disables a rule."""
+
+    min_aesthetic: float | None = None
+    min_similarity: float | None = None
+    min_width: int | None = Field(None, ge=0)
+    min_height: int | None = Field(None, ge=0)
+    max_pwatermark: float | None = Field(None, ge=0, le=1)
+    max_punsafe: float | None = Field(None, ge=0, le=1)
+    dedup_url: bool = True
+    dedup_hash: bool = True
+
+
+class FetchSettings(Section):
+    """Image fetch / re-shard settings (img2dataset for URL sources)."""
+
+    image_size: int = Field(512, ge=8)
+    resize_mode: Literal["center_crop", "border", "keep_ratio", "no"] = "center_crop"
+    processes: int = Field(1, ge=1)
+    threads: int = Field(16, ge=1)
+    timeout: float = Field(10, gt=0)
+    retries: int = Field(0, ge=0)
+    shard_size: int = Field(10000, ge=1)
+    min_success_rate: float = Field(0.5, ge=0, le=1)
+    distributor: Literal["multiprocessing", "pyspark", "ray"] = "multiprocessing"
+    serve_demo: bool = False
+    """Serve ``paths.demo_source`` on ``demo.http_port`` (loopback) while fetching."""
+
+
+class Source(Section):
+    """One data source: where its metadata/archives come from and how to filter/fetch."""
+
+    kind: Literal["laion", "diffusiondb"]
+    repo: str
+    """HF dataset repo id, or a local directory (demo, tests) holding the same files."""
+    revision: str | None = None
+    allow_patterns: list[str] = ["*.parquet"]
+    columns: Columns = Columns()
+    filter: FilterRules = FilterRules()
+    fetch: FetchSettings = FetchSettings()
+
+
+class VaeBuild(Section):
+    """A small AutoencoderKL built and trained locally (demo)."""
+
+    block_out_channels: list[int] = [32, 64]
+    layers_per_block: int = 1
+    latent_channels: int = 4
+    train_steps: int = Field(400, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    kl_weight: float = Field(1e-6, ge=0)
+
+
+class TextEncoderBuild(Section):
+    """A tiny random CLIP text encoder + a tokenizer whose vocabulary covers the demo words."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 77
+
+
+class UNetSpec(Section):
+    """The keys of ``UNet2DConditionModel``'s config that this project sets."""
+
+    sample_size: int = 64
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: list[int] = [320, 640, 1280, 1280]
+    layers_per_block: int = 2
+    down_block_types: list[str] = [
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    ]
+    up_block_types: list[str] = [
+        "UpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+    ]
+    cross_attention_dim: int = 768
+    attention_head_dim: int = 8
+    norm_num_groups: int = 32
+
+    @model_validator(mode="after")
+    def _block_lists_match(self) -> UNetSpec:
+        n = len(self.block_out_channels)
+        if len(self.down_block_types) != n or len(self.up_block_types) != n:
+            raise ValueError(
+                f"down_block_types ({len(self.down_block_types)}) and up_block_types "
+                f"({len(self.up_block_types)}) must each have one entry per block_out_channels ({n})"
+            )
+        return self
+
+
+class NoiseSchedule(Section):
+    """DDPM training schedule (the reference run: scaled_linear 0.00085 → 0.012, 1000 steps)."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    beta_schedule: Literal["scaled_linear", "linear"] = "scaled_linear"
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+
+
+class Models(Section):
+    """Where the frozen VAE / text encoder come from, and the UNet architecture."""
+
+    source: Literal["build", "pretrained"] = "build"
+    vae: str = "stabilityai/sd-vae-ft-mse"
+    text_encoder: str = "openai/clip-vit-large-patch14"
+    vae_build: VaeBuild = VaeBuild()
+    text_encoder_build: TextEncoderBuild = TextEncoderBuild()
+    unet: UNetSpec = UNetSpec()
+    noise: NoiseSchedule = NoiseSchedule()
+    seed: int = 0
+
+
+class Encode(Section):
+    """VAE latent encoding of fetched shards."""
+
+    batch_size: int = Field(16, ge=1)
+    shard_size: int = Field(4096, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class Train(Section):
+    """Optimisation settings shared by every phase."""
+
+    seed: int = 0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ema_decay: float = Field(0.9999, gt=0, lt=1)
+    save_steps: int = Field(0, ge=0)
+    """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""
+    keep_last: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bf16 autocast on CUDA; CPU always trains in fp32."""
+    gradient_checkpointing: bool = False
+    channels_last: bool = False
+
+
+class Phase(Section):
+    """One training phase: its data mix and hyper-parameters."""
+
+    description: str = ""
+    init_from: str = SCRATCH
+    init_weights: Literal["ema", "live"] = "ema"
+    mix: dict[str, float]
+    """source name → fraction of the phase's samples (fractions sum to 1)."""
+    samples: int = Field(ge=1)
+    """Samples in the phase's index (one epoch)."""
+    with_replacement: bool = False
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    cfg_dropout: float = Field(0.1, ge=0, lt=1)
+    min_snr_gamma: float | None = Field(5.0, gt=0)
+    batch_size: int = Field(24, ge=1)
+    grad_accum: int = Field(1, ge=1)
+
+    @field_validator("mix")
+    @classmethod
+    def _fractions_sum_to_one(cls, mix: dict[str, float]) -> dict[str, float]:
+        if not mix:
+            raise ValueError("a phase needs at least one source in its mix")
+        if any(f <= 0 for f in mix.values()):
+            raise ValueError(f"mix fractions must be > 0; got {mix}")
+        total = sum(mix.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"mix fractions must sum to 1; they sum to {total:.6g}: {mix}")
+        return mix
+
+
+class Eval(Section):
+    """Fixed prompts and sampler settings for the per-phase eval grid."""
+
+    prompts: list[str] = Field(min_length=1)
+    negative_prompt: str = ""
+    steps: int = Field(100, ge=1)
+    guidance_scale: float = Field(7.5, ge=1)
+    seed: int = 1234
+    columns: int = Field(4, ge=1)
+    batch_size: int = Field(8, ge=1)
+
+
+class Params(Section):
+    """The whole ``params.yaml``."""
+
+    paths: Paths
+    tracking: Tracking = Tracking()
+    demo: DemoData
+    sources: dict[str, Source]
+    models: Models
+    encode: Encode = Encode()
+    train: Train = Train()
+    phases: dict[str, Phase]
+    eval: Eval
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Params:
+        for name, phase in self.phases.items():
+            unknown = sorted(set(phase.mix) - set(self.sources))
+            if unknown:
+                raise ValueError(
+                    f"phases.{name}.mix: unknown source(s) {unknown}; "
+                    f"defined under 'sources': {sorted(self.sources)}"
+                )
+        earlier: list[str] = []
+        for name, phase in self.phases.items():
+            if phase.init_from != SCRATCH and phase.init_from not in earlier:
+                raise ValueError(
+                    f"phases.{name}.init_from: must be '{SCRATCH}' or an earlier phase "
+                    f"{earlier}; got '{phase.init_from}'"
+                )
+            earlier.append(name)
+        return self
+
+    def phase_names(self) -> list[str]:
+        """Phases in declaration order."""
+        return list(self.phases)
+
+
+def _format_error(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{origin}: {key}: {msg}{got_text}")
+    return "\n".join(lines)
+
+
+def parse_params(data: dict, origin: str = "params") -> Params:
+    """Validate an already-loaded params dict; raise :class:`ConfigError` naming every bad key."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, origin)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Load and validate ``params.yaml``; raise :class:`ConfigError` naming every bad key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found (run from the repo root or pass --params)")
+    with path.open() as fh:
+        data = yaml.safe_load(fh) or {}
+    return parse_params(data, origin=str(path))
