@@ -1,0 +1,131 @@
+"""Training maths for latent diffusion: noise, targets, Min-SNR weights, CFG dropout, LR schedule.
+
+Pure torch + diffusers; no I/O. Shapes: latents ``[B, C, h, w]``, timesteps ``[B]`` (long).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from diffusers import DDPMScheduler
+from diffusers.training_utils import compute_snr
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+def check_prediction_type(prediction_type: str) -> str:
+    """Return ``prediction_type`` if supported, else raise naming the allowed values."""
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction type must be one of {', '.join(PREDICTION_TYPES)}; got {prediction_type!r}")
+    return prediction_type
+
+
+def sample_timesteps(batch: int, num_train_timesteps: int, generator: torch.Generator) -> torch.Tensor:
+    """Uniform integer timesteps in ``[0, num_train_timesteps)``."""
+    return torch.randint(0, num_train_timesteps, (batch,), generator=generator, dtype=torch.long)
+
+
+def training_target(
+    scheduler: DDPMScheduler, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
+) -> torch.Tensor:
+    """The UNet's regression target: ``noise`` (epsilon) or ``v = √ᾱ·ε − √(1−ᾱ)·x0`` (v_prediction)."""
+    prediction_type = check_prediction_type(scheduler.config.prediction_type)
+    if prediction_type == "epsilon":
+        return noise
+    return scheduler.get_velocity(latents, noise, timesteps)
+
+
+def min_snr_weights(scheduler: DDPMScheduler, timesteps: torch.Tensor, gamma: float | None) -> torch.Tensor | None:
+    """Per-sample Min-SNR-γ loss weights (Hang et al. 2023), or ``None`` when γ is off.
+
+    epsilon: ``min(SNR, γ) / SNR``; v_prediction: ``min(SNR, γ) / (SNR + 1)``.
+    """
+    if gamma is None:
+        return None
+    prediction_type = check_prediction_type(scheduler.config.prediction_type)
+    snr = compute_snr(scheduler, timesteps)
+    clipped = torch.clamp(snr, max=gamma)
+    if prediction_type == "epsilon":
+        return clipped / snr
+    return clipped / (snr + 1.0)
+
+
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """MSE per sample (mean over C,h,w), weighted per sample, averaged over the batch (fp32)."""
+    per_sample = (pred.float() - target.float()).pow(2).mean(dim=tuple(range(1, pred.ndim)))
+    if weights is not None:
+        per_sample = per_sample * weights.to(per_sample.dtype)
+    return per_sample.mean()
+
+
+def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Replace each sample's text condition ``[B, L, D]`` by ``uncond`` ``[1, L, D]`` with probability ``rate``."""
+    if rate <= 0:
+        return cond
+    drop = torch.rand(cond.shape[0], generator=generator) < rate
+    if not bool(drop.any()):
+        return cond
+    mask = drop.to(cond.device).view(-1, 1, 1)
+    return torch.where(mask, uncond.to(cond.dtype).expand_as(cond), cond)
+
+
+def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2) -> float:
+    """Closed form of the schedule: linear warmup from ``peak·1e-2``, then cosine to ``peak·final_ratio``.
+
+    ``step`` counts optimizer steps from 0. Matches :func:`build_lr_scheduler`.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        start = 1e-2
+        return peak_lr * (start + (1.0 - start) * step / warmup_steps)
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(step - warmup_steps, decay_steps) / decay_steps
+    eta_min = peak_lr * final_ratio
+    return eta_min + (peak_lr - eta_min) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """``SequentialLR(LinearLR(1e-2 → 1), CosineAnnealingLR(eta_min = lr·final_ratio))``.
+
+    ``total_steps`` must count *optimizer* steps (batches ÷ accumulation × epochs) — the
+    reference run's bug was counting samples.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total optimizer steps must be ≥ 1; got {total_steps}")
+    peak = optimizer.param_groups[0]["lr"]
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak * final_ratio
+    )
+    if warmup_steps == 0:
+        return cosine
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1e-2, end_factor=1.0, total_iters=warmup_steps)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+
+
+def optimizer_steps(samples_per_rank: int, batch_size: int, grad_accum: int, epochs: int) -> int:
+    """Optimizer steps of a run: ``ceil(ceil(samples/batch) / accum) × epochs`` (a partial batch counts)."""
+    batches = math.ceil(samples_per_rank / batch_size)
+    return math.ceil(batches / grad_accum) * epochs
+
+
+def denoising_loss(
+    unet: torch.nn.Module,
+    scheduler: DDPMScheduler,
+    latents: torch.Tensor,
+    cond: torch.Tensor,
+    generator: torch.Generator,
+    min_snr_gamma: float | None,
+) -> torch.Tensor:
+    """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE.
+
+    Noise and timesteps are drawn from the CPU ``generator`` (reproducible on any device).
+    """
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+    timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator)
+    timesteps = timesteps.to(latents.device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample
+    target = training_target(scheduler, latents, noise, timesteps)
+    return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma))

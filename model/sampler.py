@@ -1,0 +1,79 @@
+"""Text-to-image sampling: DDIM with classifier-free guidance and a real negative prompt.
+
+One sampler for the eval grid, ``sdforge generate`` and validation during training.
+The DDIM scheduler never clamps the predicted x0 (SD latents have std ≈ 4 before scaling;
+the reference run's ``clamp(-1, 1)`` was a bug), and uses the training betas.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+
+
+def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
+    """A DDIM scheduler with the training betas, ``clip_sample=False`` and ``set_alpha_to_one=False``."""
+    keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "prediction_type")
+    cfg = {k: train_scheduler_config[k] for k in keys if k in train_scheduler_config}
+    return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading")
+
+
+@torch.no_grad()
+def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.device | str) -> torch.Tensor:
+    """``last_hidden_state`` of the text encoder for ``prompts`` padded/truncated to the model length."""
+    ids = tokenizer(
+        prompts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+    return text_encoder(ids.to(device))[0]
+
+
+@torch.no_grad()
+def sample_latents(
+    unet: UNet2DConditionModel,
+    scheduler: DDIMScheduler,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    *,
+    steps: int,
+    guidance_scale: float,
+    latent_shape: tuple[int, int, int],
+    generators: list[torch.Generator],
+) -> torch.Tensor:
+    """DDIM sampling with CFG: ``ε = ε_u + s·(ε_c − ε_u)``; returns latents ``[B, C, h, w]``.
+
+    ``uncond`` is the negative-prompt embedding (``[1|B, L, D]``). Sample ``i``'s initial noise
+    comes from ``generators[i]`` on the CPU, so an image depends only on its own seed — not on
+    the device or on which other prompts share its batch.
+    """
+    device = next(unet.parameters()).device
+    batch = cond.shape[0]
+    if len(generators) != batch:
+        raise ValueError(f"need one generator per prompt: {batch} prompts, {len(generators)} generators")
+    latents = torch.stack([torch.randn(latent_shape, generator=g, dtype=torch.float32) for g in generators])
+    latents = (latents * scheduler.init_noise_sigma).to(device)
+    uncond = uncond.expand(batch, -1, -1) if uncond.shape[0] == 1 else uncond
+    context = torch.cat([uncond, cond]).to(device=device, dtype=unet.dtype)
+    scheduler.set_timesteps(steps, device=device)
+    for t in scheduler.timesteps:
+        model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+        eps_u, eps_c = unet(model_in.to(unet.dtype), t, encoder_hidden_states=context).sample.float().chunk(2)
+        eps = eps_u + guidance_scale * (eps_c - eps_u)
+        latents = scheduler.step(eps, t, latents).prev_sample
+    return latents
+
+
+@torch.no_grad()
+def decode_to_uint8(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    """Decode scaled latents to ``[B, H, W, 3]`` uint8 images on the CPU."""
+    images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor).sample
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return images.permute(0, 2, 3, 1).cpu()
+
+
+def latent_shape_for(
+    unet: UNet2DConditionModel, vae: AutoencoderKL, image_size: int | None = None
+) -> tuple[int, int, int]:
+    """``(C, h, w)`` of the latents for ``image_size`` pixels (default: the UNet's sample size)."""
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    side = unet.config.sample_size if image_size is None else image_size // factor
+    return (unet.config.in_channels, side, side)
