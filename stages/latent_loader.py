@@ -40,7 +40,7 @@ class LatentIndexDataset:
                     f"{index_path}: points at {path}, which does not exist (re-run encode_latents@{source})"
                 )
             with safe_open(str(path), framework="pt") as f:
-                rows = torch.as_tensor(group["row"].to_numpy())
+                rows = torch.from_numpy(group["row"].to_numpy().copy())
                 latents.append(
                     (group["pos"].to_numpy(), f.get_tensor("latents")[rows], f.get_tensor("input_ids")[rows])
                 )

@@ -1,0 +1,107 @@
+"""Training maths: targets, Min-SNR weights (hand-computed), CFG dropout, LR schedule closed form."""
+
+import math
+
+import pytest
+import torch
+from diffusers import DDPMScheduler
+
+from model.diffusion import (
+    build_lr_scheduler,
+    cfg_dropout,
+    diffusion_loss,
+    lr_at,
+    min_snr_weights,
+    optimizer_steps,
+    training_target,
+)
+
+
+def _sched(prediction_type):
+    return DDPMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        prediction_type=prediction_type,
+    )
+
+
+def _alpha_bar(t):
+    betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
+    return torch.cumprod(1 - betas, 0)[t]
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_weights_match_hand_computation(prediction_type):
+    t = torch.tensor([0, 10, 250, 999])
+    gamma = 5.0
+    ab = _alpha_bar(t)
+    snr = ab / (1 - ab)
+    expected = torch.minimum(snr, torch.full_like(snr, gamma))
+    expected = expected / snr if prediction_type == "epsilon" else expected / (snr + 1)
+    got = min_snr_weights(_sched(prediction_type), t, gamma)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-6)
+    # low-noise timesteps (huge SNR) are down-weighted, high-noise ones keep weight 1 (eps)
+    assert got[0] < 0.01
+    if prediction_type == "epsilon":
+        assert got[-1] == pytest.approx(1.0)
+
+
+def test_min_snr_off_returns_none():
+    assert min_snr_weights(_sched("epsilon"), torch.tensor([1]), None) is None
+
+
+def test_targets_epsilon_and_v():
+    x0 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    eps = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    t = torch.tensor([100, 900])
+    assert torch.equal(training_target(_sched("epsilon"), x0, eps, t), eps)
+    ab = _alpha_bar(t).float().view(-1, 1, 1, 1)
+    v = ab.sqrt() * eps - (1 - ab).sqrt() * x0
+    torch.testing.assert_close(training_target(_sched("v_prediction"), x0, eps, t), v, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_prediction_type_is_clear():
+    s = _sched("epsilon")
+    s.register_to_config(prediction_type="sample")
+    with pytest.raises(ValueError, match="prediction type must be one of epsilon, v_prediction; got 'sample'"):
+        training_target(s, torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([1]))
+
+
+def test_weighted_loss_is_per_sample_weighted_mean():
+    pred = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
+    target = torch.zeros(2, 2)
+    assert diffusion_loss(pred, target, None).item() == pytest.approx((1 + 4) / 2)
+    assert diffusion_loss(pred, target, torch.tensor([1.0, 0.5])).item() == pytest.approx((1 + 2) / 2)
+
+
+def test_cfg_dropout_rate_and_replacement():
+    cond = torch.ones(1000, 3, 2)
+    uncond = torch.zeros(1, 3, 2)
+    out = cfg_dropout(cond, uncond, 0.15, torch.Generator().manual_seed(0))
+    dropped = (out.sum(dim=(1, 2)) == 0).float().mean().item()
+    assert 0.12 < dropped < 0.18
+    assert set(out.sum(dim=(1, 2)).tolist()) <= {0.0, 6.0}
+    assert torch.equal(cfg_dropout(cond, uncond, 0.0, torch.Generator()), cond)
+
+
+def test_optimizer_steps_counts_accumulation_and_partial_batch():
+    # 100 samples, batch 24 → 5 batches (last partial); accum 2 → 3 optimizer steps per epoch
+    assert optimizer_steps(100, 24, 2, 4) == 12
+
+
+def test_lr_schedule_matches_closed_form_every_step():
+    peak, warmup = 1e-3, 3
+    total = optimizer_steps(100, 24, 2, 4)  # accumulation 2 and a partial last batch
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=peak)
+    sched = build_lr_scheduler(opt, warmup, total)
+    seen = []
+    for step in range(total):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [lr_at(s, peak, warmup, total) for s in range(total)]
+    assert seen == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    assert seen[0] == pytest.approx(peak * 1e-2)
+    assert max(seen) == pytest.approx(peak)
+    assert lr_at(total, peak, warmup, total) == pytest.approx(peak * 1e-2)
+    assert math.isclose(seen[warmup], peak)
