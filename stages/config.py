@@ -131,7 +131,7 @@ class FetchSettings(Section):
 class Source(Section):
     """One data source: where its metadata/archives come from and how to filter/fetch."""
 
-    kind: Literal["laion", "diffusiondb"]
+    kind: Literal["laion", "diffusiondb", "journeydb", "vggface2", "coco"]
     repo: str
     """HF dataset repo id, or a local directory (demo, tests) holding the same files."""
     revision: str | None = None
