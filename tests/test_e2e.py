@@ -1,0 +1,163 @@
+"""End to end: the real DAG (`dvc repro`) on a shrunken demo in a temp project.
+
+Asserts concrete outputs of every stage, that a second `dvc repro` runs nothing, and that
+changing one phase's LR reruns only that phase's train/eval (and later phases').
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+from PIL import Image
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parents[1]
+COPY = ["stages", "model", "dvc.yaml", "params.yaml", "pyproject.toml"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(NO_ALBUMENTATIONS_UPDATE="1", HF_HUB_OFFLINE="1", WANDB_MODE="disabled", DVC_NO_ANALYTICS="1",
+               SDFORGE_PROGRESS="0", PYTHONPATH=str(REPO))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shrink(params: dict, port: int) -> dict:
+    """The demo params, made small enough for a test: 2 phases, fewer rows and steps."""
+    demo = params["demo"]
+    demo.update(laion_rows=96, archive_images=48, http_port=port)
+    params["models"]["vae_build"].update(train_steps=30)
+    params["phases"] = {
+        "phase1": {**params["phases"]["phase1"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
+        "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
+                   "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
+    }
+    params["train"].update(save_steps=3)
+    params["eval"].update(prompts=params["eval"]["prompts"][:4], steps=4, batch_size=4, columns=2)
+    return params
+
+
+def dvc(project: Path, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=_env(), capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"dvc {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout + proc.stderr
+
+
+def ran_stages(output: str) -> list[str]:
+    return [line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("e2e")
+    for name in COPY:
+        src = REPO / name
+        shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() \
+            else shutil.copy(src, root / name)
+    params = shrink(yaml.safe_load((REPO / "params.yaml").read_text()), _free_port())
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    dvc(root, "init", "-q")
+    first = dvc(root, "repro")
+    (root / "first_run.log").write_text(first)
+    return root
+
+
+def metrics(project: Path, stage: str, item: str | None = None) -> dict:
+    path = project / "metrics" / stage / f"{item}.json" if item else project / "metrics" / f"{stage}.json"
+    return json.loads(path.read_text())
+
+
+def test_every_stage_ran_once(project):
+    ran = ran_stages((project / "first_run.log").read_text())
+    assert len(ran) == len(set(ran)) == 1 + 3 * 2 + 1 + 2 + 3 * 2  # demo, 3 data×2, models, encode×2, 3×2 phases
+    assert ran.index("train@phase1") < ran.index("train@phase2")
+
+
+def test_filter_drops_exactly_the_injected_bad_rows(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())["demo"]
+    m = metrics(project, "filter_metadata", "laion")
+    bad = sum(params[k] for k in ("low_aesthetic_rows", "watermark_rows", "nsfw_rows", "small_rows",
+                                  "duplicate_rows"))
+    assert m["rows_in"] == params["laion_rows"] + bad + params["missing_rows"]
+    assert m["rows_out"] == params["laion_rows"] + params["missing_rows"]
+    rows = pl.read_parquet(project / "data/filtered/laion/filtered.parquet")
+    assert rows.height == m["rows_out"]
+
+
+def test_fetch_shards_and_samples(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    m = metrics(project, "fetch_images", "laion")
+    assert m["successes"] == params["demo"]["laion_rows"]
+    assert m["failed_to_download"] == params["demo"]["missing_rows"]
+    assert len(list((project / "data/shards/laion").glob("*.tar"))) == m["shards"] >= 1
+    assert metrics(project, "fetch_images", "diffusiondb")["successes"] == params["demo"]["archive_images"]
+
+
+def test_latents_shape_dtype_and_manifest(project):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    m = metrics(project, "encode_latents", "laion")
+    assert m["samples"] == params["demo"]["laion_rows"]
+    assert m["latent_shape"] == [4, 16, 16]
+    manifest = pl.read_parquet(project / "data/latents/laion/manifest.parquet")
+    assert manifest.height == m["samples"] and manifest["key"].n_unique() == m["samples"]
+    with safe_open(str(project / "data/latents/laion/shard-00000.safetensors"), framework="pt") as f:
+        lat, ids = f.get_tensor("latents"), f.get_tensor("input_ids")
+    assert str(lat.dtype) == "torch.float16" and tuple(lat.shape[1:]) == (4, 16, 16)
+    assert tuple(ids.shape[1:]) == (77,)
+
+
+def test_mix_composition(project):
+    m = metrics(project, "mix_phase", "phase2")
+    assert m["samples"] == 48 and m["samples.laion"] == 24 and m["samples.diffusiondb"] == 24
+
+
+def test_checkpoint_keys_and_steps(project):
+    from safetensors.torch import load_file
+
+    m = metrics(project, "train", "phase1")
+    assert m["steps"] == m["total_steps"] == 2 * 4  # 64 samples / batch 16 × 2 epochs
+    live = load_file(project / "checkpoints/phase1/unet/diffusion_pytorch_model.safetensors")
+    ema = load_file(project / "checkpoints/phase1/unet_ema/diffusion_pytorch_model.safetensors")
+    assert live.keys() == ema.keys() and "conv_out.weight" in live
+    assert any(not (live[k] == ema[k]).all() for k in live)  # EMA differs from live weights
+    state = json.loads((project / "checkpoints/phase1/state.json").read_text())
+    assert state["phase"] == "phase1" and state["step"] == 8
+
+
+def test_eval_grid_image(project):
+    m = metrics(project, "eval_grid", "phase2")
+    assert m["images"] == 4 and m["image_size"] == 32
+    grid = Image.open(project / "eval/phase2/grid.png")
+    assert grid.size == (2 * 128, 2 * (128 + 28))
+    assert 0 <= m["colour_agreement"] <= 1 and m["colour_chance"] == 0.2
+
+
+def test_second_repro_runs_nothing_and_lr_change_reruns_only_that_phase(project):
+    again = dvc(project, "repro")
+    assert ran_stages(again) == []
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["phases"]["phase2"]["lr"] = params["phases"]["phase2"]["lr"] / 2
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    changed = dvc(project, "repro")
+    assert sorted(ran_stages(changed)) == ["eval_grid@phase2", "train@phase2"]

@@ -1,0 +1,33 @@
+"""The shipped full-scale config validates and its UNet is exactly the SD1.x UNet."""
+
+import torch
+
+from model.builders import count_parameters, unet_config
+from stages.config import load_params
+
+SD1_UNET_PARAMS = 859_520_964
+
+
+def test_full_config_loads_with_seven_phases_and_real_sources():
+    p = load_params("configs/full/params.yaml")
+    assert p.phase_names() == [f"phase{i}" for i in range(1, 8)]
+    assert {s.kind for s in p.sources.values()} == {"laion", "diffusiondb", "journeydb", "vggface2", "coco"}
+    assert p.models.source == "pretrained"
+    assert p.models.vae == "stabilityai/sd-vae-ft-mse"
+    assert p.models.text_encoder == "openai/clip-vit-large-patch14"
+    assert [p.phases[f"phase{i}"].lr for i in range(1, 8)] == [1e-5, 1e-5, 1e-5, 2e-6, 1.5e-6, 1e-6, 1e-6]
+    assert [p.phases[f"phase{i}"].warmup_steps for i in range(1, 8)] == [500, 500, 500, 200, 150, 100, 150]
+    assert [p.phases[f"phase{i}"].cfg_dropout for i in range(1, 8)] == [0.05] * 3 + [0.15] * 4
+    assert p.phases["phase6"].mix == {"laion_hq": 0.6, "vggface2": 0.2, "coco": 0.2}
+    effective = p.phases["phase1"].batch_size * p.train.nproc_per_node * p.phases["phase1"].grad_accum
+    assert effective == 96
+
+
+def test_full_unet_has_exactly_sd1_parameter_count():
+    from diffusers import UNet2DConditionModel
+
+    p = load_params("configs/full/params.yaml")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**unet_config(p.models.unet.model_dump()))
+    assert count_parameters(unet) == SD1_UNET_PARAMS
+    assert next(unet.parameters()).device.type == "meta"
