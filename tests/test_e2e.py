@@ -153,11 +153,25 @@ def test_eval_grid_image(project):
     assert 0 <= m["colour_agreement"] <= 1 and m["colour_chance"] == 0.2
 
 
-def test_second_repro_runs_nothing_and_lr_change_reruns_only_that_phase(project):
+def test_mlflow_has_phase_run_with_grid(project):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    runs = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'eval_grid'")
+    parents = {client.get_run(r.data.tags["mlflow.parentRunId"]).info.run_name for r in runs}
+    assert parents == {"phase1", "phase2"}
+    grid_run = next(r for r in runs if client.get_run(r.data.tags["mlflow.parentRunId"]).info.run_name == "phase2")
+    assert "grid.png" in [a.path for a in client.list_artifacts(grid_run.info.run_id)]
+    train_runs = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'")
+    assert {len(client.get_metric_history(r.info.run_id, "loss")) > 0 for r in train_runs} == {True}
+
+
+def test_second_repro_runs_nothing_and_lr_change_reruns_that_phase_and_later(project):
     again = dvc(project, "repro")
     assert ran_stages(again) == []
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["phases"]["phase2"]["lr"] = params["phases"]["phase2"]["lr"] / 2
+    params["phases"]["phase1"]["lr"] = params["phases"]["phase1"]["lr"] / 2
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     changed = dvc(project, "repro")
-    assert sorted(ran_stages(changed)) == ["eval_grid@phase2", "train@phase2"]
+    assert sorted(ran_stages(changed)) == ["eval_grid@phase1", "eval_grid@phase2", "train@phase1", "train@phase2"]
