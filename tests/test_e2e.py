@@ -50,7 +50,7 @@ def shrink(params: dict, port: int) -> dict:
         "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
                    "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
     }
-    params["train"].update(save_steps=3)
+    params["train"].update(save_steps=3, log_every=1)
     params["eval"].update(prompts=params["eval"]["prompts"][:4], steps=4, batch_size=4, columns=2)
     return params
 
