@@ -1,0 +1,97 @@
+# sdforge — every entry point. A fresh machine needs only Python 3.11 (or 3.12) and pip.
+#
+#   make demo         build the venv if needed, run the whole DVC pipeline, print where the results are
+#   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
+#   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
+#   make stack-down   stop the worker (SIGINT first), then the server
+#   make run-phase PHASE=phase7   run a deployment through the stack and watch it
+#   make mlflow-ui    MLflow UI on http://127.0.0.1:5000 over sqlite:///mlflow.db
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+IMG2DATASET := img2dataset==1.47.0
+PHASE ?= phase7
+
+# The interpreter the venv is built from: python3.11 if present, else python3 (checked: 3.11 or 3.12).
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
+
+# Offline switches and local state, for every target and everything they start.
+export NO_ALBUMENTATIONS_UPDATE := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export WANDB_MODE := disabled
+export PREFECT_HOME := $(CURDIR)/.prefect
+export SDFORGE_ROOT := $(CURDIR)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
+
+.PHONY: help venv demo test test-all lint stack-up stack-down stack-status run-phase mlflow-ui clean-outputs
+
+help:
+	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
+
+venv: $(STAMP)
+
+# torch first and pinned (a local CPU wheel here; a looser pin pulls GBs of CUDA wheels), then the
+# project, then img2dataset without its deps (its `dataclasses` backport shadows the stdlib and
+# breaks Prefect's server; see /work/shared/STACK-NOTES.md).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || { \
+	  test -n "$(PYTHON)" || { echo "need python3.11 (or 3.12) on PATH" >&2; exit 1; }; \
+	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' \
+	    || { echo "$(PYTHON) is Python $$($(PYTHON) -V 2>&1); need 3.11 or 3.12" >&2; exit 1; }; \
+	  echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install --no-deps $(IMG2DATASET)
+	@if $(PY) -m pip show -q dataclasses >/dev/null 2>&1; then $(PY) -m pip uninstall -y dataclasses; fi
+	@touch $@
+
+# The pipeline runs in its own session; Ctrl-C / TERM is forwarded to the whole group
+# (a killed `dvc` alone would orphan the running stage).
+demo: venv
+	@[ -d .dvc ] || dvc init -q
+	@start=$$(date +%s); \
+	setsid dvc repro & pid=$$!; \
+	trap 'echo "stopping pipeline (process group $$pid)"; kill -TERM -- -$$pid 2>/dev/null; wait $$pid' INT TERM; \
+	wait $$pid; rc=$$?; trap - INT TERM; \
+	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	$(PY) -m flows.report
+
+lint: venv
+	ruff check .
+
+test: venv lint
+	pytest
+
+test-all: venv lint
+	pytest -m 'not gpu'
+
+stack-up: venv
+	$(PY) -m flows.stack up
+
+stack-down:
+	@if [ -x $(PY) ]; then $(PY) -m flows.stack down; else echo "no $(VENV): nothing to stop"; fi
+
+stack-status:
+	$(PY) -m flows.stack status
+
+run-phase: venv
+	$(PY) -m flows.stack run --phase $(PHASE)
+
+mlflow-ui: venv
+	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# Pipeline outputs and local tracking state (DVC's cache in .dvc/cache is kept).
+clean-outputs:
+	rm -rf data models checkpoints runs eval metrics mlruns mlflow.db

@@ -1,0 +1,281 @@
+"""The local Prefect stack: server (SQLite under PREFECT_HOME), work pool, deployments, process worker.
+
+    python -m flows.stack up       # what `make stack-up` runs; idempotent
+    python -m flows.stack down     # worker first (SIGINT), then the server
+    python -m flows.stack status
+    python -m flows.stack run --phase phase7   # prefect deployment run 'train-phase/phase7' --watch
+
+Pid files, logs and an ``env`` file to ``source`` live in ``.stack/`` (git-ignored). The tests
+start the same stack on a free port against a temporary project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = "local-process"
+FLOW = "train-phase"
+
+OFFLINE_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "DVC_NO_ANALYTICS": "1",
+    "NO_ALBUMENTATIONS_UPDATE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+}
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_dead(pid: int, timeout_s: float, proc: subprocess.Popen | None) -> bool:
+    if proc is not None:
+        try:
+            proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.2)
+    return not _alive(pid)
+
+
+def stop_process(pid: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGINT ``pid`` (a graceful Prefect shutdown), then SIGTERM / SIGKILL its process group.
+
+    Every process the stack starts leads its own session, so the group is its own.
+    """
+    try:
+        os.kill(pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+    if not _wait_dead(pid, grace_s, proc):
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        if not _wait_dead(pid, 5.0, proc):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _wait_dead(pid, 5.0, proc)
+    try:  # leftovers in the group (a flow run the worker started, uvicorn under the server)
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _restore_sigint() -> None:
+    # A shell's background job starts with SIGINT ignored, and an ignored signal stays ignored
+    # across exec; the worker must see SIGINT to shut down cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@dataclass
+class Stack:
+    root: Path = ROOT
+    """Project root: where `prefect deploy` reads prefect.yaml; exported as SDFORGE_ROOT."""
+    home: Path = field(default_factory=lambda: Path(os.environ.get("PREFECT_HOME", ROOT / ".prefect")))
+    state_dir: Path = ROOT / ".stack"
+    host: str = "127.0.0.1"
+    port: int = 4200
+    pool: str = POOL
+    query_seconds: float = 2.0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.host}:{self.port}/api"
+
+    def env(self) -> dict[str, str]:
+        """Environment of every process of the stack (and of the flow runs the worker starts)."""
+        env = dict(os.environ)
+        env.update(OFFLINE_ENV)
+        env.update(
+            PREFECT_HOME=str(self.home),
+            PREFECT_API_URL=self.api_url,
+            PREFECT_WORKER_QUERY_SECONDS=f"{self.query_seconds:g}",
+            SDFORGE_ROOT=str(self.root),
+            PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def prefect(self, *args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
+        """Run the ``prefect`` CLI against this stack, in the project root."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=self.root, env=self.env(), text=True, capture_output=capture, stdin=subprocess.DEVNULL,
+        )
+        if check and proc.returncode != 0:
+            out = (proc.stdout or "") + (proc.stderr or "")
+            raise StackError(f"prefect {' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}")
+        return proc
+
+    # --- processes ---------------------------------------------------------------------------------
+
+    def _pidfile(self, name: str) -> Path:
+        return self.state_dir / f"{name}.pid"
+
+    def pid(self, name: str) -> int | None:
+        """The pid of a running ``name`` (server / worker) from its pid file, else None."""
+        try:
+            pid = int(self._pidfile(name).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        try:
+            if b"prefect" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return None  # pid reused by something else
+        except OSError:
+            pass
+        return pid
+
+    def _spawn(self, name: str, *args: str) -> int:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(parents=True, exist_ok=True)
+        log = (self.state_dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=self.root, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_restore_sigint,
+        )
+        log.close()
+        self.procs[name] = proc
+        self._pidfile(name).write_text(f"{proc.pid}\n")
+        return proc.pid
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def start_server(self, timeout_s: float = 90.0) -> None:
+        if self.pid("server") and self.healthy():
+            print(f"prefect server already running (pid {self.pid('server')}) at {self.api_url}")
+            return
+        if self.healthy():
+            raise StackError(f"something else already serves {self.api_url}; stop it or pick another port")
+        pid = self._spawn("server", "server", "start", "--host", self.host, "--port", str(self.port))
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if not _alive(pid):
+                raise StackError(f"prefect server exited; see {self.state_dir / 'server.log'}")
+            if time.monotonic() > deadline:
+                raise StackError(f"prefect server not healthy after {timeout_s:g} s; see server.log")
+            time.sleep(0.5)
+
+    def ensure_pool(self) -> None:
+        if self.prefect("work-pool", "inspect", self.pool, check=False).returncode != 0:
+            self.prefect("work-pool", "create", self.pool, "--type", "process")
+
+    def deploy(self, *names: str) -> None:
+        """``prefect deploy`` from ``root/prefect.yaml``: every deployment, or ``names``."""
+        selection = [a for n in names for a in ("--name", n)] or ["--all"]
+        self.prefect("deploy", *selection, "--no-prompt")
+
+    def start_worker(self) -> None:
+        if self.pid("worker"):
+            print(f"worker already running (pid {self.pid('worker')})")
+            return
+        self._spawn("worker", "worker", "start", "--pool", self.pool, "--type", "process")
+
+    def write_env_file(self) -> Path:
+        path = self.state_dir / "env"
+        path.write_text(
+            f"export PREFECT_API_URL={self.api_url}\nexport PREFECT_HOME={self.home}\n"
+            f"export SDFORGE_ROOT={self.root}\n"
+        )
+        return path
+
+    def up(self, *deployments: str) -> None:
+        t0 = time.monotonic()
+        self.start_server()
+        self.ensure_pool()
+        self.deploy(*deployments)
+        self.start_worker()
+        self.write_env_file()
+        print(f"stack up in {time.monotonic() - t0:.1f} s")
+
+    def stop(self, name: str, grace_s: float) -> None:
+        pid = self.pid(name)
+        if pid is None:
+            print(f"{name}: not running")
+        else:
+            stop_process(pid, grace_s, self.procs.get(name))
+            print(f"{name}: stopped (pid {pid})")
+        self._pidfile(name).unlink(missing_ok=True)
+        self.procs.pop(name, None)
+
+    def down(self) -> None:
+        # Worker first and with SIGINT: a worker sent SIGTERM after its server died kept running.
+        self.stop("worker", grace_s=20.0)
+        self.stop("server", grace_s=15.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="local Prefect stack for sdforge")
+    ap.add_argument("command", choices=["up", "down", "status", "run"])
+    ap.add_argument("--port", type=int, default=int(os.environ.get("SDFORGE_PREFECT_PORT", "4200")))
+    ap.add_argument("--phase", default="phase7", help="for `run`: the train-phase deployment")
+    args = ap.parse_args(argv)
+    stack = Stack(port=args.port)
+    if args.command == "up":
+        stack.up()
+        print(
+            f"Prefect UI:  http://{stack.host}:{stack.port}   (logs: {stack.state_dir}/server.log, worker.log)\n"
+            f"In a shell:  source {stack.state_dir / 'env'}\n"
+            f"             prefect deployment run '{FLOW}/phase7' --watch   (or: make run-phase PHASE=phase7)\n"
+            "Stop:        make stack-down"
+        )
+    elif args.command == "down":
+        stack.down()
+    elif args.command == "status":
+        for name in ("server", "worker"):
+            pid = stack.pid(name)
+            print(f"{name}: " + (f"running (pid {pid})" if pid else "not running"))
+        print(f"api {stack.api_url}: {'healthy' if stack.healthy() else 'not answering'}")
+    elif args.command == "run":
+        if not stack.healthy():
+            print("the stack is not up: run `make stack-up` first", file=sys.stderr)
+            return 1
+        run = stack.prefect("deployment", "run", f"{FLOW}/{args.phase}", "--watch", capture=False, check=False)
+        return run.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
