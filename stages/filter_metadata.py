@@ -41,7 +41,6 @@ LAION_RULES = (
     "duplicate_url",
     "duplicate_hash",
 )
-DIFFUSIONDB_RULES = ("missing", "duplicate")
 FLOAT_COLUMNS = ("width", "height", "similarity", "punsafe", "pwatermark", "aesthetic")
 _REASON = "_drop_reason"
 # scheme://host (lower-cased by the URL normalisation) and the rest (kept as is)

@@ -3,7 +3,7 @@
 ``demo_params`` is the repo's ``params.yaml`` with small demo counts, small shards and a free
 loopback port, written to ``tmp_path/params.yaml``; the test runs with ``tmp_path`` as working
 directory, so the (relative) ``paths`` all land in ``tmp_path``, as DVC runs stages from the repo root.
-Helpers are fixtures too (``run_until``, ``tree_digest``, ``tiny_params``, ``free_port``).
+Helpers are fixtures too (``run_until``, ``tree_digest``, ``free_port``).
 """
 
 from __future__ import annotations
@@ -101,12 +101,6 @@ def run_until():
 def tree_digest():
     """``tree_digest(root)``: one hash over a folder's file names and bytes."""
     return _tree_digest
-
-
-@pytest.fixture
-def tiny_params():
-    """``tiny_params()``: a fresh tiny params dict (edit it, then ``write_params``)."""
-    return _tiny_params
 
 
 @pytest.fixture
