@@ -95,7 +95,7 @@ def test_lr_schedule_matches_closed_form_every_step():
     opt = torch.optim.AdamW([param], lr=peak)
     sched = build_lr_scheduler(opt, warmup, total)
     seen = []
-    for step in range(total):
+    for _step in range(total):
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
