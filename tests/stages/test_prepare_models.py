@@ -1,0 +1,190 @@
+"""prepare_models: output layout, demo tokenizer/VAE, determinism, pretrained path, cross-attention check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from safetensors.torch import load_file
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from model.builders import build_tiny_text_encoder, build_tiny_vae
+from stages import prepare_models
+from stages.config import ConfigError, DemoData, Eval, Models
+
+DEMO = DemoData(
+    image_size=48,
+    colours={"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220)},
+    shapes=["circle", "square", "triangle"],
+    backgrounds={"white": (245, 245, 245), "black": (15, 15, 15)},
+)
+EVAL = Eval(prompts=["a red circle on a white background", "a blue square, on black!"], negative_prompt="blurry")
+TINY_UNET = {
+    "sample_size": 8,
+    "block_out_channels": [16, 32],
+    "layers_per_block": 1,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 32,
+    "attention_head_dim": 4,
+    "norm_num_groups": 8,
+}
+TINY_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
+
+
+def tiny_models(**overrides) -> Models:
+    data = {
+        "source": "build",
+        "seed": 0,
+        "vae_build": {"block_out_channels": [8, 16], "train_steps": 3, "batch_size": 4},
+        "text_encoder_build": TINY_TEXT,
+        "unet": TINY_UNET,
+    }
+    data.update(overrides)
+    return Models.model_validate(data)
+
+
+def _weights(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {str(f.relative_to(root)): load_file(f) for f in sorted(root.rglob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("build")
+    metrics = prepare_models.run(tiny_models(), DEMO, EVAL, root / "models", root / "checkpoints/scratch")
+    return root, metrics
+
+
+def test_output_layout(built):
+    root, metrics = built
+    models, scratch = root / "models", root / "checkpoints/scratch"
+    assert sorted(p.name for p in models.iterdir()) == ["scheduler", "text_encoder", "tokenizer", "vae"]
+    assert sorted(p.name for p in (models / "vae").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert sorted(p.name for p in (models / "text_encoder").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (models / "tokenizer").iterdir()) == [
+        "merges.txt", "tokenizer.json", "tokenizer_config.json", "vocab.json"
+    ]
+    assert sorted(p.name for p in (models / "scheduler").iterdir()) == ["scheduler_config.json"]
+    assert sorted(p.name for p in scratch.iterdir()) == ["state.json", "unet", "unet_ema"]
+    assert json.loads((scratch / "state.json").read_text()) == {"phase": "scratch", "step": 0}
+    assert not list(root.rglob("*.tmp"))
+    # unet and unet_ema are the same weights
+    live, ema = _weights(scratch / "unet"), _weights(scratch / "unet_ema")
+    (name,) = live
+    assert all(torch.equal(live[name][k], ema[name][k]) for k in live[name])
+    assert not live[name]["conv_out.weight"].any()
+    assert metrics["source"] == "build"
+    assert metrics["unet_params"] == sum(t.numel() for t in live[name].values())
+    assert metrics["pixel_size"] == 16 and metrics["vae_downsample"] == 2
+    assert metrics["vae_train_steps"] == 3 and metrics["vae_eval_images"] == 128
+
+
+def test_saved_components_load_through_from_pretrained(built):
+    root, metrics = built
+    models = root / "models"
+    tok = CLIPTokenizer.from_pretrained(models / "tokenizer")
+    te = CLIPTextModel.from_pretrained(models / "text_encoder")
+    vae = AutoencoderKL.from_pretrained(models / "vae")
+    sched = DDPMScheduler.from_pretrained(models / "scheduler")
+    unet = UNet2DConditionModel.from_pretrained(root / "checkpoints/scratch/unet")
+
+    assert tok.model_max_length == 77
+    words = ["a", "on", "background", "red", "green", "blue", "circle", "square", "triangle", "white", "black",
+             "blurry"]  # caption words, colours/shapes/backgrounds, and the eval negative prompt
+    for word in words:
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
+    assert metrics["demo_words"] == len(words)
+    ids = tok("a red circle on a white background", padding="max_length", max_length=77).input_ids
+    assert len(ids) == 77 and ids[0] == tok.bos_token_id and ids[8:] == [tok.eos_token_id] * 69
+    assert te.config.vocab_size == len(tok) == metrics["tokenizer_vocab_size"]
+    assert te.config.eos_token_id == tok.eos_token_id
+    hidden = te(torch.tensor([ids])).last_hidden_state
+    assert hidden.shape == (1, 77, unet.config.cross_attention_dim)
+    assert vae.config.scaling_factor == pytest.approx(metrics["vae_scaling_factor"])
+    assert vae.config.scaling_factor != 1.0
+    assert sched.config.beta_schedule == "scaled_linear" and sched.config.clip_sample is False
+    x = torch.randn(1, 4, 8, 8)
+    assert unet(x, 5, encoder_hidden_states=hidden).sample.abs().max() == 0  # zero-initialised conv_out
+
+
+def test_two_runs_give_identical_weights(built, tmp_path):
+    root, first = built
+    again = prepare_models.run(tiny_models(), DEMO, EVAL, tmp_path / "models", tmp_path / "checkpoints/scratch")
+    for sub in ("models", "checkpoints/scratch"):
+        a, b = _weights(root / sub), _weights(tmp_path / sub)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    for f in ("vocab.json", "merges.txt", "tokenizer.json"):
+        assert (root / "models/tokenizer" / f).read_bytes() == (tmp_path / "models/tokenizer" / f).read_bytes()
+    assert {k: v for k, v in first.items() if "seconds" not in k} == {
+        k: v for k, v in again.items() if "seconds" not in k
+    }
+
+
+def test_rerun_replaces_stale_outputs(tmp_path):
+    models_dir = tmp_path / "models"
+    (models_dir / "stale").mkdir(parents=True)
+    prepare_models.run(tiny_models(), DEMO, None, models_dir, tmp_path / "scratch")
+    assert not (models_dir / "stale").exists()
+
+
+def test_cross_attention_mismatch_names_the_key_and_both_values(tmp_path):
+    models = tiny_models(unet={**TINY_UNET, "cross_attention_dim": 48})
+    with pytest.raises(ConfigError, match=r"models\.unet\.cross_attention_dim \(48\).*hidden size \(32\)"):
+        prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
+
+
+def test_pretrained_source_loads_local_dirs_with_from_pretrained(built, tmp_path):
+    """Full scale loads hub ids; local folders go through the same ``from_pretrained`` calls."""
+    root, _ = built
+    hub_vae, hub_clip = tmp_path / "hub/sd-vae", tmp_path / "hub/clip"
+    vae = build_tiny_vae([8, 16], 1, 4, seed=5)
+    vae.register_to_config(scaling_factor=0.18215)
+    vae.save_pretrained(hub_vae)
+    tok = CLIPTokenizer.from_pretrained(root / "models/tokenizer")
+    tok.save_pretrained(hub_clip)
+    te = build_tiny_text_encoder(len(tok), 32, 64, 1, 4, 77, seed=5)
+    te.save_pretrained(hub_clip)
+
+    models = tiny_models(source="pretrained", vae=str(hub_vae), text_encoder=str(hub_clip))
+    metrics = prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
+    out = tmp_path / "models"
+    assert metrics["source"] == "pretrained" and "vae_recon_mae" not in metrics
+    assert metrics["vae_scaling_factor"] == pytest.approx(0.18215)
+    saved_vae = load_file(out / "vae/diffusion_pytorch_model.safetensors")
+    assert saved_vae.keys() == vae.state_dict().keys()
+    assert all(torch.equal(v, vae.state_dict()[k]) for k, v in saved_vae.items())
+    saved_te = load_file(out / "text_encoder/model.safetensors")
+    assert all(torch.equal(v, te.state_dict()[k]) for k, v in saved_te.items())
+    assert CLIPTokenizer.from_pretrained(out / "tokenizer")("a red circle").input_ids == tok("a red circle").input_ids
+    assert (tmp_path / "scratch/unet_ema/config.json").is_file()
+
+    bad = tiny_models(source="pretrained", vae=str(hub_vae), text_encoder=str(hub_clip),
+                      unet={**TINY_UNET, "cross_attention_dim": 768})
+    with pytest.raises(ConfigError, match=r"cross_attention_dim \(768\).*\(32\)"):
+        prepare_models.run(bad, DEMO, EVAL, tmp_path / "models2", tmp_path / "scratch2")
+
+
+def test_cli_writes_metrics_and_logs_to_mlflow(demo_params, tmp_path):
+    """``python -m stages.prepare_models --params params.yaml`` on the tiny demo config (cwd = tmp_path)."""
+    import mlflow
+    import yaml
+
+    data = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    data["models"] = tiny_models().model_dump()
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    prepare_models.main(["--params", "params.yaml"])
+
+    metrics = json.loads((tmp_path / "metrics/prepare_models.json").read_text())
+    assert metrics["vae_train_steps"] == 3
+    assert (tmp_path / "models/vae/config.json").is_file()
+    assert (tmp_path / "checkpoints/scratch/unet/config.json").is_file()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=[data["tracking"]["experiment"]], output_format="list")
+    (run,) = [r for r in runs if r.data.tags.get("sdforge.stage") == "prepare_models"]
+    assert run.data.metrics["unet_params"] == metrics["unet_params"]
+    assert run.data.params["models.source"] == "build"
