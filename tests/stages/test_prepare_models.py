@@ -110,9 +110,11 @@ def test_saved_components_load_through_from_pretrained(built):
     assert unet(x, 5, encoder_hidden_states=hidden).sample.abs().max() == 0  # zero-initialised conv_out
 
 
-def test_two_runs_give_identical_weights(built, tmp_path):
+def test_two_runs_give_identical_weights_and_replace_stale_outputs(built, tmp_path):
     root, first = built
+    (tmp_path / "models/stale").mkdir(parents=True)
     again = prepare_models.run(tiny_models(), DEMO, EVAL, tmp_path / "models", tmp_path / "checkpoints/scratch")
+    assert not (tmp_path / "models/stale").exists()
     for sub in ("models", "checkpoints/scratch"):
         a, b = _weights(root / sub), _weights(tmp_path / sub)
         assert sorted(a) == sorted(b)
@@ -123,13 +125,6 @@ def test_two_runs_give_identical_weights(built, tmp_path):
     assert {k: v for k, v in first.items() if "seconds" not in k} == {
         k: v for k, v in again.items() if "seconds" not in k
     }
-
-
-def test_rerun_replaces_stale_outputs(tmp_path):
-    models_dir = tmp_path / "models"
-    (models_dir / "stale").mkdir(parents=True)
-    prepare_models.run(tiny_models(), DEMO, None, models_dir, tmp_path / "scratch")
-    assert not (models_dir / "stale").exists()
 
 
 def test_cross_attention_mismatch_names_the_key_and_both_values(tmp_path):
