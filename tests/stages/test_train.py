@@ -1,0 +1,164 @@
+"""train stage: a SIGKILLed run resumes to bit-identical weights; phase init and arch checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from stages import mix_phase, prepare_models
+from stages.common import InputError
+from stages.config import parse_params
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_UNET = {
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "block_out_channels": [16, 32],
+    "layers_per_block": 1,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 32,
+    "attention_head_dim": 4,
+    "norm_num_groups": 8,
+}
+
+
+def tiny_params(root: Path) -> dict:
+    """The demo params with every path under ``root`` and tiny models/phases."""
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["paths"] = {k: str(root / v) for k, v in data["paths"].items()}
+    data["tracking"]["mlflow_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    data["models"]["vae_build"].update(train_steps=1, block_out_channels=[8, 16], batch_size=4)
+    data["models"]["text_encoder_build"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    data["models"]["unet"] = TINY_UNET
+    data["train"].update(save_steps=2, keep_last=2, log_every=1, ema_decay=0.99)
+    base = {
+        "mix": {"laion": 1.0},
+        "samples": 40,
+        "with_replacement": False,
+        "epochs": 2,
+        "lr": 1e-3,
+        "warmup_steps": 2,
+        "cfg_dropout": 0.2,
+        "batch_size": 8,
+        "grad_accum": 2,
+    }
+    data["phases"] = {"phase1": {**base, "init_from": "scratch"}, "phase2": {**base, "init_from": "phase1"}}
+    return data
+
+
+def build_workspace(root: Path) -> Path:
+    """Models, a 40-sample latent store and the phase-1/2 indexes under ``root``; returns the params file."""
+    data = tiny_params(root)
+    params = parse_params(data)
+    prepare_models.run(
+        params.models, params.demo, params.eval, Path(params.paths.models), Path(params.paths.checkpoints) / "scratch"
+    )
+    store = Path(params.paths.latents) / "laion"
+    store.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    save_file(
+        {
+            "latents": torch.randn(40, 4, 8, 8, generator=gen).half(),
+            "input_ids": torch.randint(0, 500, (40, 77), generator=gen, dtype=torch.int32),
+        },
+        store / "shard-00000.safetensors",
+    )
+    pl.DataFrame(
+        {
+            "key": [f"{i:04d}" for i in range(40)],
+            "caption": ["c"] * 40,
+            "source": ["laion"] * 40,
+            "shard": [0] * 40,
+            "row": list(range(40)),
+        }
+    ).write_parquet(store / "manifest.parquet")
+    for phase in ("phase1", "phase2"):
+        mix_phase.run(
+            phase,
+            params.phases[phase],
+            Path(params.paths.latents),
+            Path(params.paths.mixes) / f"{phase}.parquet",
+            params.train.seed,
+        )
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def train(params_file: Path, phase: str, kill_at: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": str(REPO)}
+    env.pop("SDFORGE_KILL_AT_STEP", None)
+    if kill_at is not None:
+        env["SDFORGE_KILL_AT_STEP"] = str(kill_at)
+    return subprocess.run(
+        [sys.executable, "-m", "stages.train", "--params", str(params_file), "--item", phase],
+        cwd=params_file.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def weights(root: Path, phase: str, sub: str) -> dict:
+    return load_file(root / "checkpoints" / phase / sub / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    straight = tmp_path_factory.mktemp("straight")
+    killed = tmp_path_factory.mktemp("killed")
+    p_straight, p_killed = build_workspace(straight), build_workspace(killed)
+    assert train(p_straight, "phase1").returncode == 0
+    died = train(p_killed, "phase1", kill_at=3)  # after the checkpoint at step 2, mid-epoch
+    resumed = train(p_killed, "phase1")
+    return straight, killed, died, resumed
+
+
+def test_sigkill_then_resume_is_bit_identical(runs):
+    straight, killed, died, resumed = runs
+    assert died.returncode == -9
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 2 (epoch 0, batch 4)" in resumed.stderr
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(straight, "phase1", sub), weights(killed, "phase1", sub)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume"
+    m_straight = json.loads((straight / "metrics/train/phase1.json").read_text())
+    m_killed = json.loads((killed / "metrics/train/phase1.json").read_text())
+    assert m_straight["steps"] == m_killed["steps"] == 6  # 40 samples / batch 8 = 5 batches; accum 2 → 3 × 2 epochs
+    assert m_killed["resumed_at_step"] == 2
+    assert m_straight["final_loss"] is not None and np.isfinite(m_straight["final_loss"])
+
+
+def test_next_phase_starts_from_previous_ema(runs):
+    straight = runs[0]
+    from stages.config import load_params
+    from stages.trainer import load_init_unet
+
+    params = load_params(straight / "params.yaml")
+    unet = load_init_unet(straight / "checkpoints/phase1", "ema", params.models.unet.model_dump())
+    ema = weights(straight, "phase1", "unet_ema")
+    assert all(torch.equal(unet.state_dict()[k], ema[k]) for k in ema)
+
+
+def test_architecture_mismatch_is_a_clear_error(runs):
+    from stages.trainer import load_init_unet
+
+    spec = {**TINY_UNET, "block_out_channels": [32, 64]}
+    with pytest.raises(
+        InputError, match=r"block_out_channels=\[16, 32\] but params models.unet.block_out_channels=\[32, 64\]"
+    ):
+        load_init_unet(runs[0] / "checkpoints/phase1", "ema", spec)
