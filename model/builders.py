@@ -293,5 +293,6 @@ def noise_scheduler(noise: dict) -> DDPMScheduler:
         beta_end=noise["beta_end"],
         beta_schedule=noise["beta_schedule"],
         prediction_type=noise["prediction_type"],
+        rescale_betas_zero_snr=noise.get("rescale_betas_zero_snr", False),
         clip_sample=False,
     )

@@ -117,12 +117,21 @@ def denoising_loss(
     cond: torch.Tensor,
     generator: torch.Generator,
     min_snr_gamma: float | None,
+    noise_offset: float = 0.0,
 ) -> torch.Tensor:
     """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE.
 
-    Noise and timesteps are drawn from the CPU ``generator`` (reproducible on any device).
+    ``noise_offset`` adds a per-sample, per-channel constant to the noise (Guttenberg 2023, the
+    diffusers ``--noise_offset``): without it the scaled-linear schedule leaks the latents'
+    low-frequency content even at t≈999, so the model learns global colour from the noisy input
+    instead of from the prompt. Noise and timesteps are drawn from the CPU ``generator``.
     """
-    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    if noise_offset:
+        noise = noise + noise_offset * torch.randn(
+            (latents.shape[0], latents.shape[1], 1, 1), generator=generator, dtype=torch.float32
+        )
+    noise = noise.to(latents.device)
     timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator)
     timesteps = timesteps.to(latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)

@@ -12,9 +12,22 @@ from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
 
 
 def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
-    """A DDIM scheduler with the training betas, ``clip_sample=False`` and ``set_alpha_to_one=False``."""
-    keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "prediction_type")
+    """A DDIM scheduler with the training betas, ``clip_sample=False`` and ``set_alpha_to_one=False``.
+
+    With zero-terminal-SNR betas the timesteps are "trailing", so sampling starts at t = T where
+    the model was trained on pure noise (Lin et al. 2023); otherwise SD's "leading" + offset 1.
+    """
+    keys = (
+        "num_train_timesteps",
+        "beta_start",
+        "beta_end",
+        "beta_schedule",
+        "prediction_type",
+        "rescale_betas_zero_snr",
+    )
     cfg = {k: train_scheduler_config[k] for k in keys if k in train_scheduler_config}
+    if cfg.get("rescale_betas_zero_snr"):
+        return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, timestep_spacing="trailing")
     return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading")
 
 

@@ -206,6 +206,14 @@ class NoiseSchedule(Section):
     beta_end: float = 0.012
     beta_schedule: Literal["scaled_linear", "linear"] = "scaled_linear"
     prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    rescale_betas_zero_snr: bool = False
+    """Zero terminal SNR (Lin et al. 2023); needs v_prediction. Sampling then starts at t = T."""
+
+    @model_validator(mode="after")
+    def _zero_snr_needs_v(self) -> NoiseSchedule:
+        if self.rescale_betas_zero_snr and self.prediction_type != "v_prediction":
+            raise ValueError("rescale_betas_zero_snr needs prediction_type v_prediction (ε is undefined at SNR 0)")
+        return self
 
 
 class Models(Section):
@@ -237,6 +245,8 @@ class Train(Section):
     adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    noise_offset: float = Field(0.0, ge=0)
+    """Per-channel noise offset (diffusers ``--noise_offset``; 0 = off)."""
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     save_steps: int = Field(0, ge=0)
     """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""

@@ -160,7 +160,13 @@ class Trainer:
         )
         with no_sync, autocast:
             loss = denoising_loss(
-                self.model, self.scheduler, latents.to(dev), cond, self.generator, self.phase.min_snr_gamma
+                self.model,
+                self.scheduler,
+                latents.to(dev),
+                cond,
+                self.generator,
+                self.phase.min_snr_gamma,
+                self.cfg.noise_offset,
             )
         if not torch.isfinite(loss):
             raise FloatingPointError(

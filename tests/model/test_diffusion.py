@@ -19,7 +19,10 @@ from model.diffusion import (
 
 def _sched(prediction_type):
     return DDPMScheduler(
-        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
         prediction_type=prediction_type,
     )
 
@@ -105,3 +108,30 @@ def test_lr_schedule_matches_closed_form_every_step():
     assert max(seen) == pytest.approx(peak)
     assert lr_at(total, peak, warmup, total) == pytest.approx(peak * 1e-2)
     assert math.isclose(seen[warmup], peak)
+
+
+def test_noise_offset_shifts_each_channel_mean():
+    from model.diffusion import denoising_loss
+
+    seen = {}
+
+    class Spy(torch.nn.Module):
+        def forward(self, x, t, encoder_hidden_states):
+            seen["x"] = x
+            return type("Out", (), {"sample": torch.zeros_like(x)})()
+
+    sched = _sched("epsilon")
+    latents = torch.zeros(64, 4, 8, 8)
+    for offset in (0.0, 1.0):
+        denoising_loss(Spy(), sched, latents, torch.zeros(64, 1, 1), torch.Generator().manual_seed(0), None, offset)
+        seen[offset] = seen["x"].mean(dim=(2, 3)).std().item()
+    # without offset the per-channel means of pure noise are ~N(0, 1/64); with offset 1 they are ~N(0, 1)
+    assert seen[0.0] < 0.3 and seen[1.0] > 0.5
+
+
+def test_zero_snr_requires_v_prediction():
+    from stages.config import NoiseSchedule
+
+    with pytest.raises(ValueError, match="needs prediction_type v_prediction"):
+        NoiseSchedule(rescale_betas_zero_snr=True)
+    assert NoiseSchedule(rescale_betas_zero_snr=True, prediction_type="v_prediction").rescale_betas_zero_snr

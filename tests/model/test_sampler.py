@@ -1,0 +1,109 @@
+"""DDIM sampler: training betas, no x0 clamp, zero-SNR trailing steps, CFG with a negative prompt."""
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from model.builders import noise_scheduler
+from model.sampler import ddim_from_training, sample_latents
+
+SD_NOISE = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    prediction_type="epsilon",
+)
+
+
+def test_ddim_uses_training_betas_and_never_clamps():
+    ddim = ddim_from_training(dict(noise_scheduler(SD_NOISE).config))
+    assert ddim.config.clip_sample is False and ddim.config.set_alpha_to_one is False
+    assert ddim.config.beta_schedule == "scaled_linear" and ddim.config.beta_end == 0.012
+    ddim.set_timesteps(10)
+    t = ddim.timesteps[-1]
+    x = torch.full((1, 4, 2, 2), 4.0)  # SD latents have |x0| ≈ 4: a clamp to [-1, 1] would destroy them
+    out = ddim.step(torch.zeros_like(x), t, x)
+    assert out.pred_original_sample.abs().max().item() > 3.9
+
+
+def test_zero_snr_schedule_samples_from_t_max():
+    noise = {**SD_NOISE, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True}
+    train = noise_scheduler(noise)
+    assert train.alphas_cumprod[-1].item() == pytest.approx(0.0, abs=1e-8)
+    ddim = ddim_from_training(dict(train.config))
+    ddim.set_timesteps(25)
+    assert ddim.timesteps[0].item() == 999  # trailing: starts where training saw pure noise
+    sd = ddim_from_training(dict(noise_scheduler(SD_NOISE).config))
+    sd.set_timesteps(25)
+    assert sd.timesteps[0].item() == 961  # SD's leading spacing + steps_offset 1
+
+
+@pytest.fixture(scope="module")
+def tiny_unet():
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        attention_head_dim=4,
+    ).eval()
+
+
+def _sample(unet, cond, uncond, seed=0, guidance=5.0):
+    ddim = ddim_from_training(SD_NOISE)
+    return sample_latents(
+        unet,
+        ddim,
+        cond,
+        uncond,
+        steps=4,
+        guidance_scale=guidance,
+        latent_shape=(4, 8, 8),
+        generators=[torch.Generator().manual_seed(seed)],
+    )
+
+
+def test_negative_prompt_changes_the_image(tiny_unet):
+    cond = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(1))
+    empty = torch.zeros(1, 5, 16)
+    negative = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(2))
+    a, b = _sample(tiny_unet, cond, empty), _sample(tiny_unet, cond, negative)
+    assert (a - b).abs().max().item() > 1e-3
+    assert torch.equal(a, _sample(tiny_unet, cond, empty))  # deterministic for a seed
+
+
+def test_image_depends_only_on_its_own_seed(tiny_unet):
+    cond = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    uncond = torch.zeros(1, 5, 16)
+    ddim = ddim_from_training(SD_NOISE)
+    pair = sample_latents(
+        tiny_unet,
+        ddim,
+        cond,
+        uncond,
+        steps=4,
+        guidance_scale=3.0,
+        latent_shape=(4, 8, 8),
+        generators=[torch.Generator().manual_seed(s) for s in (5, 6)],
+    )
+    alone = _sample(tiny_unet, cond[1:], uncond, seed=6, guidance=3.0)
+    torch.testing.assert_close(pair[1:], alone, rtol=1e-4, atol=1e-5)
+
+
+def test_one_generator_per_prompt_is_enforced(tiny_unet):
+    with pytest.raises(ValueError, match="one generator per prompt"):
+        sample_latents(
+            tiny_unet,
+            ddim_from_training(SD_NOISE),
+            torch.zeros(2, 5, 16),
+            torch.zeros(1, 5, 16),
+            steps=2,
+            guidance_scale=1.0,
+            latent_shape=(4, 8, 8),
+            generators=[torch.Generator()],
+        )
