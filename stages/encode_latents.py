@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from safetensors.torch import save as safetensors_save
 
 from stages.common import InputError, atomic_write_bytes, stage_cli
 from stages.config import Encode, Params
+from stages.shards import read_tar
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,7 @@ def iter_shard_samples(shard_dir: Path, counts: dict[str, int]) -> Iterator[Samp
     if not tars:
         raise InputError(f"{shard_dir}: no .tar shards found (did fetch_images run?)")
     for tar_path in tars:
-        groups: dict[str, dict[str, bytes]] = {}
-        with tarfile.open(tar_path) as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, _, ext = member.name.partition(".")
-                groups.setdefault(key, {})[ext] = tar.extractfile(member).read()
+        groups = read_tar(tar_path)
         for key in sorted(groups):
             sample = _decode(tar_path, key, groups[key], counts)
             if sample is not None:

@@ -18,20 +18,10 @@ from safetensors.torch import load_file, save_file
 from stages import mix_phase, prepare_models
 from stages.common import InputError
 from stages.config import parse_params
+from tests.stages.test_prepare_models import TINY_UNET as PREPARE_TINY_UNET
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_UNET = {
-    "sample_size": 8,
-    "in_channels": 4,
-    "out_channels": 4,
-    "block_out_channels": [16, 32],
-    "layers_per_block": 1,
-    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-    "cross_attention_dim": 32,
-    "attention_head_dim": 4,
-    "norm_num_groups": 8,
-}
+TINY_UNET = {**PREPARE_TINY_UNET, "in_channels": 4, "out_channels": 4}
 
 
 def tiny_params(root: Path) -> dict:
