@@ -92,11 +92,22 @@ def run(source: Source, out_dir: str | Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.download_metadata --params params.yaml --item <source>``."""
-    stage_cli(
-        "download_metadata",
-        lambda params, item: run(params.sources[item], Path(params.paths.metadata) / item),
-        argv=argv,
+    stage_cli("download_metadata", _stage, argv=argv)
+
+
+def _stage(params, item: str) -> dict:
+    from stages.tracking import log_stage
+
+    source = params.sources[item]
+    metrics = run(source, Path(params.paths.metadata) / item)
+    log_stage(
+        params.tracking,
+        "data",
+        f"download_metadata@{item}",
+        metrics,
+        {"repo": source.repo, "revision": source.revision, "allow_patterns": source.allow_patterns},
     )
+    return metrics
 
 
 if __name__ == "__main__":

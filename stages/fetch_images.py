@@ -48,6 +48,8 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 log = logging.getLogger(__name__)
 
+SUPPORTED_KINDS = frozenset({"laion", "diffusiondb"})
+
 JPEG_QUALITY = 95
 """img2dataset's default ``encode_quality``."""
 
@@ -233,6 +235,10 @@ def run(
 
     ``serve=(root, port)`` serves ``root`` on loopback while fetching (demo).
     """
+    if source.kind not in SUPPORTED_KINDS:
+        raise InputError(
+            f"sources.{name}.kind: '{source.kind}' has no fetch adapter yet (supported: {sorted(SUPPORTED_KINDS)})"
+        )
     filtered, metadata_dir, out_dir = Path(filtered_dir) / OUTPUT_FILE, Path(metadata_dir), Path(out_dir)
     if not filtered.is_file():
         raise InputError(f"{filtered} not found (run filter_metadata first)")
@@ -262,9 +268,11 @@ def run(
 
 def stage(params: Params, item: str) -> dict[str, Any]:
     """Resolve paths from ``params`` and run the stage for source ``item``."""
+    from stages.tracking import log_stage
+
     source = params.sources[item]
     serve = (Path(params.paths.demo_source) / "http", params.demo.http_port) if source.fetch.serve_demo else None
-    return run(
+    metrics = run(
         source,
         item,
         Path(params.paths.filtered) / item,
@@ -272,6 +280,8 @@ def stage(params: Params, item: str) -> dict[str, Any]:
         Path(params.paths.shards) / item,
         serve=serve,
     )
+    log_stage(params.tracking, "data", f"fetch_images@{item}", metrics, source.fetch.model_dump())
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -225,8 +225,12 @@ def run(
     out_dir.mkdir(parents=True)
     if source.kind == "laion":
         metrics = filter_laion(in_dir, out_dir / OUTPUT_FILE, source.columns, source.filter)
-    else:
+    elif source.kind == "diffusiondb":
         metrics = filter_diffusiondb(in_dir, out_dir / OUTPUT_FILE)
+    else:
+        raise InputError(
+            f"sources.{name}.kind: '{source.kind}' has no filter adapter yet (supported: laion, diffusiondb)"
+        )
     log.info("%s: kept %d of %d rows: %s", name, metrics["rows_out"], metrics["rows_in"], metrics)
     if tracking is not None:
         log_to_mlflow(tracking, name, source, metrics)

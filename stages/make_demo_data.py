@@ -235,12 +235,15 @@ def run(cfg: DemoData, out_dir: str | Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.make_demo_data --params params.yaml``."""
-    stage_cli(
-        "make_demo_data",
-        lambda params, _item: run(params.demo, params.paths.demo_source),
-        needs_item=False,
-        argv=argv,
-    )
+    stage_cli("make_demo_data", _stage, needs_item=False, argv=argv)
+
+
+def _stage(params, _item) -> dict:
+    from stages.tracking import log_stage
+
+    metrics = run(params.demo, params.paths.demo_source)
+    log_stage(params.tracking, "data", "make_demo_data", metrics, params.demo.model_dump())
+    return metrics
 
 
 if __name__ == "__main__":

@@ -75,3 +75,12 @@ def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | N
                 mlflow.log_params(flat)
             log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, tracking_uri(cfg))
             yield mlflow
+
+
+def log_stage(cfg: Tracking, parent: str, stage: str, metrics: dict[str, Any], params: dict[str, Any] | None = None):
+    """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run."""
+    import json
+
+    with stage_run(cfg, parent, stage, params) as mlflow:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        mlflow.log_text(json.dumps(metrics, indent=2, sort_keys=True, default=str), f"{stage.split('@')[0]}.json")

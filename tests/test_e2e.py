@@ -163,6 +163,10 @@ def test_mlflow_has_phase_run_with_grid(project):
     assert parents == {"phase1", "phase2"}
     grid_run = next(r for r in runs if client.get_run(r.data.tags["mlflow.parentRunId"]).info.run_name == "phase2")
     assert "grid.png" in [a.path for a in client.list_artifacts(grid_run.info.run_id)]
+    every = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` != ''", max_results=1000)
+    stages = {r.data.tags["sdforge.stage"].split("@")[0] for r in every}
+    assert stages == {"make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models",
+                      "encode_latents", "mix_phase", "train", "eval_grid"}
     train_runs = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'")
     assert {len(client.get_metric_history(r.info.run_id, "loss")) > 0 for r in train_runs} == {True}
 

@@ -254,3 +254,16 @@ def test_demo_http_serves_files_and_404s(tmp_path, free_port):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"{base}/images/missing.jpg", timeout=5)
         assert err.value.code == 404
+
+
+def test_source_kind_without_adapter_is_refused(tmp_path):
+    from stages import fetch_images, filter_metadata
+    from stages.common import InputError
+    from stages.config import Source
+
+    coco = Source(kind="coco", repo="detection-datasets/coco")
+    with pytest.raises(InputError, match="sources.coco.kind: 'coco' has no fetch adapter yet"):
+        fetch_images.run(coco, "coco", tmp_path / "f", tmp_path / "m", tmp_path / "o")
+    (tmp_path / "meta").mkdir()
+    with pytest.raises(InputError, match="sources.coco.kind: 'coco' has no filter adapter yet"):
+        filter_metadata.run(coco, "coco", tmp_path / "meta", tmp_path / "out")
