@@ -10,7 +10,6 @@ Each shard is written to a temp name and renamed.
 from __future__ import annotations
 
 import io
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -161,11 +160,9 @@ def _parquet_bytes(df: pl.DataFrame) -> bytes:
 def _run_stage(params: Params, source: str) -> dict:
     paths = params.paths
     metrics = run(params.encode, source, Path(paths.shards) / source, Path(paths.models), Path(paths.latents) / source)
-    from stages.tracking import stage_run
+    from stages.tracking import log_stage
 
-    with stage_run(params.tracking, "data", f"encode_latents@{source}", params.encode.model_dump()) as mlflow:
-        mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
-        mlflow.log_text(json.dumps(metrics, indent=2), "encode_latents.json")
+    log_stage(params.tracking, "data", f"encode_latents@{source}", metrics, params.encode.model_dump())
     return metrics
 
 

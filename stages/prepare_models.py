@@ -67,8 +67,12 @@ _TRAIN_STREAM, _EVAL_STREAM, _CALIBRATION_STREAM = 1, 2, 3
 
 def demo_words(demo: DemoData, eval_: Eval | None = None) -> list[str]:
     """Every word of a demo caption and of the eval prompts, in first-seen order, lower-cased."""
-    text = [ShapeSpec(shape=s, colour=c, background=b).caption()
-            for c in demo.colours for s in demo.shapes for b in demo.backgrounds]
+    text = [
+        ShapeSpec(shape=s, colour=c, background=b).caption()
+        for c in demo.colours
+        for s in demo.shapes
+        for b in demo.backgrounds
+    ]
     if eval_ is not None:
         text += [*eval_.prompts, eval_.negative_prompt]
     words = [w.lower() for line in text for w in re.findall(r"[^\W\d_]+", line)]
@@ -137,15 +141,16 @@ def build_demo_vae(models: Models, demo: DemoData, pixels: int) -> tuple[Autoenc
             vae, demo_batches(demo, pixels, cfg.batch_size, models.seed), cfg.train_steps, cfg.lr, cfg.kl_weight
         )
     train_seconds = time.perf_counter() - t0
-    calibration, _ = render_demo(demo, pixels, VAE_CALIBRATION_IMAGES,
-                                 np.random.default_rng([models.seed, _CALIBRATION_STREAM]))
+    calibration, _ = render_demo(
+        demo, pixels, VAE_CALIBRATION_IMAGES, np.random.default_rng([models.seed, _CALIBRATION_STREAM])
+    )
     vae.register_to_config(scaling_factor=latent_scaling_factor(vae, to_model_range(calibration).split(64)))
 
     held_out, specs = render_demo(demo, pixels, VAE_EVAL_IMAGES, np.random.default_rng([models.seed, _EVAL_STREAM]))
     recon = to_uint8(reconstruct(vae, to_model_range(held_out)))
     colour_acc, shape_acc = probe_accuracy(recon, specs, demo)
     input_colour_acc, input_shape_acc = probe_accuracy(held_out, specs, demo)
-    tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
+    tail = losses[-max(1, len(losses) // 10) :] if losses else [float("nan")]
     metrics = {
         "vae_train_steps": len(losses),
         "vae_train_seconds": round(train_seconds, 2),
@@ -188,6 +193,41 @@ def _publish(tmp: Path, path: Path) -> None:
     tmp.rename(path)
 
 
+def _build_demo_components(
+    models: Models, demo: DemoData, eval_: Eval | None, out: Path, metrics: dict[str, Any]
+) -> tuple[CLIPTokenizer, CLIPTextModel, AutoencoderKL]:
+    """Demo: a tokenizer over the demo words, a seeded tiny text encoder, a VAE trained on demo renders."""
+    tb = models.text_encoder_build
+    check_cross_attention(models.unet.cross_attention_dim, tb.hidden_size)
+    words = demo_words(demo, eval_)
+    tokenizer = write_demo_tokenizer(words, out / TOKENIZER, tb.max_position_embeddings)
+    text_encoder = build_tiny_text_encoder(
+        vocab_size=len(tokenizer),
+        hidden_size=tb.hidden_size,
+        intermediate_size=tb.intermediate_size,
+        num_hidden_layers=tb.num_hidden_layers,
+        num_attention_heads=tb.num_attention_heads,
+        max_position_embeddings=tb.max_position_embeddings,
+        seed=models.seed,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    metrics["demo_words"] = len(words)
+    pixels = models.unet.sample_size * 2 ** (len(models.vae_build.block_out_channels) - 1)
+    vae, vae_metrics = build_demo_vae(models, demo, pixels)
+    metrics.update(vae_metrics)
+    return tokenizer, text_encoder, vae
+
+
+def _load_pretrained_components(models: Models, out: Path) -> tuple[CLIPTokenizer, CLIPTextModel, AutoencoderKL]:
+    """Full scale: the hub (or local) VAE, CLIP text encoder and tokenizer, via ``from_pretrained``."""
+    text_encoder = CLIPTextModel.from_pretrained(models.text_encoder)
+    check_cross_attention(models.unet.cross_attention_dim, text_encoder.config.hidden_size)
+    tokenizer = CLIPTokenizer.from_pretrained(models.text_encoder)
+    tokenizer.save_pretrained(out / TOKENIZER)
+    return tokenizer, text_encoder, AutoencoderKL.from_pretrained(models.vae)
+
+
 def run(
     models: Models,
     demo: DemoData,
@@ -206,31 +246,9 @@ def run(
     metrics: dict[str, Any] = {"source": models.source}
 
     if models.source == "build":
-        tb = models.text_encoder_build
-        check_cross_attention(models.unet.cross_attention_dim, tb.hidden_size)
-        words = demo_words(demo, eval_)
-        tokenizer = write_demo_tokenizer(words, out / TOKENIZER, tb.max_position_embeddings)
-        text_encoder = build_tiny_text_encoder(
-            vocab_size=len(tokenizer),
-            hidden_size=tb.hidden_size,
-            intermediate_size=tb.intermediate_size,
-            num_hidden_layers=tb.num_hidden_layers,
-            num_attention_heads=tb.num_attention_heads,
-            max_position_embeddings=tb.max_position_embeddings,
-            seed=models.seed,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        metrics["demo_words"] = len(words)
-        pixels = models.unet.sample_size * 2 ** (len(models.vae_build.block_out_channels) - 1)
-        vae, vae_metrics = build_demo_vae(models, demo, pixels)
-        metrics.update(vae_metrics)
+        tokenizer, text_encoder, vae = _build_demo_components(models, demo, eval_, out, metrics)
     else:
-        text_encoder = CLIPTextModel.from_pretrained(models.text_encoder)
-        check_cross_attention(models.unet.cross_attention_dim, text_encoder.config.hidden_size)
-        tokenizer = CLIPTokenizer.from_pretrained(models.text_encoder)
-        tokenizer.save_pretrained(out / TOKENIZER)
-        vae = AutoencoderKL.from_pretrained(models.vae)
+        tokenizer, text_encoder, vae = _load_pretrained_components(models, out)
 
     vae.save_pretrained(out / VAE, safe_serialization=True)
     text_encoder.save_pretrained(out / TEXT_ENCODER, safe_serialization=True)
