@@ -126,19 +126,96 @@ class FetchSettings(Section):
     distributor: Literal["multiprocessing", "pyspark", "ray"] = "multiprocessing"
     serve_demo: bool = False
     """Serve ``paths.demo_source`` on ``demo.http_port`` (loopback) while fetching."""
+    allow_networks: list[str] = []
+    """CIDRs the SSRF guard lets through although they are loopback/private/link-local/multicast/
+    unspecified (the demo: ``["127.0.0.0/8"]``). Empty: only public addresses are fetched."""
+    max_image_pixels: int = Field(89_478_485, ge=1)
+    """Decompression-bomb limit (width × height of the *original* image); PIL's default."""
+    encode_quality: int = Field(95, ge=1, le=100)
+    """JPEG quality of the re-encoded 512² images (img2dataset's default)."""
+    user_agent_token: str | None = None
+    """Appended to img2dataset's user agent so site owners can identify the crawler."""
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks_parse(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an IP network (e.g. '127.0.0.0/8', '::1/128')") from None
+        return value
+
+
+class JourneyDbOptions(Section):
+    """JourneyDB: which annotation text becomes the caption."""
+
+    caption: Literal["prompt", "caption"] = "prompt"
+    """``prompt`` (the Midjourney prompt) or ``caption`` (``Task2.Caption``, a description)."""
+
+
+class FaceOptions(Section):
+    """VGGFace2: template captions; ``{gender}`` is filled from ``identity_meta.csv`` when present."""
+
+    templates: list[str] = Field(
+        [
+            "a close-up photo of a {gender}'s face",
+            "a portrait photograph of a {gender}",
+            "a headshot of a {gender}, detailed face",
+        ],
+        min_length=1,
+    )
+    unknown_gender: str = "person"
+    """``{gender}`` for identities missing from ``identity_meta.csv`` (or when it is absent)."""
+
+
+class CocoOptions(Section):
+    """COCO: keep images with a tall enough person box."""
+
+    min_person_height: float = Field(0.55, gt=0, le=1)
+    """Keep an image when some non-crowd ``person`` box is at least this fraction of its height."""
+    instances: str = "annotations/instances_*.json"
+    captions: str = "annotations/captions_*.json"
+    """Globs (relative to the source folder) of the annotation files."""
+
+
+class LocalOptions(Section):
+    """Local folder: ``name.<img>`` + ``name.txt`` (``mode: txt``) or ``name.json`` with ``tags``/``score``."""
+
+    mode: Literal["txt", "json"] = "txt"
+    exclude_tags: list[str] = []
+    """A sample carrying any of these tags is dropped."""
+    remove_tags: list[str] = []
+    """Removed from the caption (the sample is kept)."""
+    replace_tags: dict[str, str] = {}
+    min_score: float | None = None
+    """Drop samples whose score (plus bonuses) is below this; ``None`` disables."""
+    tag_score_bonus: dict[str, float] = {}
+    """Added to the score for each tag present, before ``min_score`` is applied."""
+    shuffle_tags: float = Field(0.0, ge=0, le=1)
+    """Probability that a sample's tag order is shuffled (seeded by ``seed`` and the file name)."""
+    seed: int = 0
 
 
 class Source(Section):
     """One data source: where its metadata/archives come from and how to filter/fetch."""
 
-    kind: Literal["laion", "diffusiondb", "journeydb", "vggface2", "coco"]
+    kind: Literal["laion", "diffusiondb", "journeydb", "vggface2", "coco", "local"]
     repo: str
     """HF dataset repo id, or a local directory (demo, tests) holding the same files."""
     revision: str | None = None
     allow_patterns: list[str] = ["*.parquet"]
+    cache_dir: str | None = None
+    """Hub download cache (``snapshot_download(cache_dir=...)``); env ``HF_HUB_CACHE`` when None."""
     columns: Columns = Columns()
     filter: FilterRules = FilterRules()
     fetch: FetchSettings = FetchSettings()
+    journeydb: JourneyDbOptions = JourneyDbOptions()
+    vggface2: FaceOptions = FaceOptions()
+    coco: CocoOptions = CocoOptions()
+    local: LocalOptions = LocalOptions()
 
 
 class VaeBuild(Section):
@@ -322,8 +399,7 @@ class Params(Section):
             unknown = sorted(set(phase.mix) - set(self.sources))
             if unknown:
                 raise ValueError(
-                    f"phases.{name}.mix: unknown source(s) {unknown}; "
-                    f"defined under 'sources': {sorted(self.sources)}"
+                    f"phases.{name}.mix: unknown source(s) {unknown}; defined under 'sources': {sorted(self.sources)}"
                 )
         earlier: list[str] = []
         for name, phase in self.phases.items():

@@ -16,15 +16,14 @@ Metrics: ``rows_in``, ``dropped_<rule>`` per rule, ``rows_out`` (and ``files``);
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
+from stages import sources
 from stages.common import InputError, stage_cli
 from stages.config import Columns, FilterRules, Source, Tracking
 
@@ -140,63 +139,6 @@ def filter_laion(in_dir: Path, out_file: Path, columns: Columns, rules: FilterRu
     return metrics
 
 
-def archive_rows(zip_path: Path, archive: str) -> tuple[list[dict[str, Any]], set[str]]:
-    """The rows of one DiffusionDB zip's JSON mapping(s), and the names of the files it holds."""
-    with zipfile.ZipFile(zip_path) as zf:
-        names = set(zf.namelist())
-        rows = []
-        for json_name in sorted(n for n in names if n.endswith(".json")):
-            mapping = json.loads(zf.read(json_name))
-            for member in sorted(mapping):
-                meta = mapping[member] or {}
-                rows.append(
-                    {
-                        "archive": archive,
-                        "member": member,
-                        "caption": meta.get("p"),
-                        "seed": meta.get("se"),
-                        "cfg": meta.get("c"),
-                        "steps": meta.get("st"),
-                        "sampler": meta.get("sa"),
-                    }
-                )
-    return rows, names
-
-
-DIFFUSIONDB_SCHEMA = {
-    "archive": pl.String,
-    "member": pl.String,
-    "caption": pl.String,
-    "seed": pl.Int64,
-    "cfg": pl.Float64,
-    "steps": pl.Int64,
-    "sampler": pl.String,
-}
-
-
-def filter_diffusiondb(in_dir: Path, out_file: Path) -> dict[str, int]:
-    """Rows of every zip's mapping minus images missing from the zip and repeated member names."""
-    zips = sorted(in_dir.rglob("*.zip"))
-    if not zips:
-        raise InputError(f"no zip archives under {in_dir} (run download_metadata first)")
-    rows, present = [], []
-    for zip_path in zips:
-        zip_rows, names = archive_rows(zip_path, zip_path.relative_to(in_dir).as_posix())
-        rows += zip_rows
-        present += [row["member"] in names for row in zip_rows]
-    df = pl.DataFrame(rows, schema=DIFFUSIONDB_SCHEMA).with_columns(_present=pl.Series(present, dtype=pl.Boolean))
-    found = df.filter(pl.col("_present")).drop("_present")
-    kept = found.filter(pl.col("member").is_first_distinct())
-    kept.write_parquet(out_file)
-    return {
-        "files": len(zips),
-        "rows_in": df.height,
-        "dropped_missing": df.height - found.height,
-        "dropped_duplicate": found.height - kept.height,
-        "rows_out": kept.height,
-    }
-
-
 def log_to_mlflow(tracking: Tracking, name: str, source: Source, metrics: dict[str, int]) -> None:
     """Log the metrics and the metrics JSON (artifact) to the ``filter_metadata@<source>`` run."""
     from stages.tracking import stage_run
@@ -225,12 +167,8 @@ def run(
     out_dir.mkdir(parents=True)
     if source.kind == "laion":
         metrics = filter_laion(in_dir, out_dir / OUTPUT_FILE, source.columns, source.filter)
-    elif source.kind == "diffusiondb":
-        metrics = filter_diffusiondb(in_dir, out_dir / OUTPUT_FILE)
     else:
-        raise InputError(
-            f"sources.{name}.kind: '{source.kind}' has no filter adapter yet (supported: laion, diffusiondb)"
-        )
+        metrics = sources.filter_source(source, name, in_dir, out_dir / OUTPUT_FILE)
     log.info("%s: kept %d of %d rows: %s", name, metrics["rows_out"], metrics["rows_in"], metrics)
     if tracking is not None:
         log_to_mlflow(tracking, name, source, metrics)

@@ -20,7 +20,7 @@ import polars as pl
 import pytest
 import webdataset as wds
 
-from stages import fetch_images, shards
+from stages import fetch_images, reshard, shards
 from stages.common import InputError
 from stages.demo_http import serve_directory
 
@@ -227,7 +227,7 @@ def test_diffusiondb_decodes_gray_rgba_16bit_and_counts_corrupt_and_missing(tmp_
 )
 def test_resize_modes(mode, shape):
     img = np.full((80, 40, 3), 200, np.uint8)
-    out = fetch_images.resize(img, 32, mode)
+    out = reshard.resize(img, 32, mode)
     assert out.shape[:2] == shape
     if mode == "border":
         assert out[:, 0].max() == 0 and out[16, 16].min() == 200
