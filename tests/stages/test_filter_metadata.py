@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import zipfile
 from pathlib import Path
 
 import polars as pl
@@ -89,21 +87,6 @@ def test_demo_drop_counts_equal_the_injected_rows(demo_params, run_until, tree_d
     source = demo_params.sources["laion"]
     filter_metadata.run(source, "laion", Path(demo_params.paths.metadata) / "laion", out)
     assert tree_digest(out) == digest
-
-
-def test_demo_diffusiondb_keeps_every_image(demo_params, run_until):
-    metrics = run_until(demo_params, "filter_metadata")
-    n = demo_params.demo.archive_images
-    assert metrics["filter_metadata@diffusiondb"] == {
-        "files": 1,
-        "rows_in": n,
-        "dropped_missing": 0,
-        "dropped_duplicate": 0,
-        "rows_out": n,
-    }
-    df = pl.read_parquet(Path(demo_params.paths.filtered) / "diffusiondb" / "filtered.parquet")
-    assert df.columns == ["archive", "member", "caption", "seed", "cfg", "steps", "sampler"]
-    assert df["archive"].unique().to_list() == ["part-000001.zip"]
 
 
 @pytest.mark.parametrize(
@@ -198,34 +181,6 @@ def test_a_missing_column_that_a_rule_needs_is_named(tmp_path):
     rows = [{k: v for k, v in r.items() if k != "pwatermark"} for r in laion_rows({})]
     with pytest.raises(InputError, match=r"'pwatermark' \(columns.pwatermark\) not found"):
         filter_rows(tmp_path, rows)
-
-
-def write_zip(path: Path, images: dict[str, bytes], mapping: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w") as zf:
-        for name, data in images.items():
-            zf.writestr(name, data)
-        zf.writestr(path.stem + ".json", json.dumps(mapping))
-
-
-def test_diffusiondb_drops_missing_members_then_duplicates(tmp_path):
-    meta = tmp_path / "meta"
-    entry = {"p": "prompt", "se": 1, "c": 7.0, "st": 50, "sa": "k_lms"}
-    write_zip(
-        meta / "part-000001.zip", {"a.png": b"x", "b.png": b"y"}, {"a.png": entry, "b.png": entry, "gone.png": entry}
-    )
-    write_zip(meta / "part-000002.zip", {"a.png": b"x", "c.png": b"z"}, {"a.png": entry, "c.png": {"p": "other"}})
-    source = Source(kind="diffusiondb", repo="unused", allow_patterns=["*.zip"])
-    metrics = filter_metadata.run(source, "diffusiondb", meta, tmp_path / "out")
-    assert metrics == {"files": 2, "rows_in": 5, "dropped_missing": 1, "dropped_duplicate": 1, "rows_out": 3}
-    kept = pl.read_parquet(tmp_path / "out" / "filtered.parquet")
-    assert kept.select("archive", "member").rows() == [
-        ("part-000001.zip", "a.png"),
-        ("part-000001.zip", "b.png"),
-        ("part-000002.zip", "c.png"),
-    ]
-    assert kept["caption"].to_list() == ["prompt", "prompt", "other"]
-    assert kept["seed"].to_list() == [1, 1, None]
 
 
 def test_mlflow_gets_metrics_and_the_metrics_json(tmp_path):
