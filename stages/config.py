@@ -167,8 +167,24 @@ class FaceOptions(Section):
         ],
         min_length=1,
     )
+    gender_words: dict[str, str] = {"m": "man", "f": "woman"}
+    """``identity_meta.csv`` ``Gender`` value → the word ``{gender}`` becomes."""
     unknown_gender: str = "person"
     """``{gender}`` for identities missing from ``identity_meta.csv`` (or when it is absent)."""
+
+    @field_validator("templates")
+    @classmethod
+    def _only_gender_placeholder(cls, templates: list[str]) -> list[str]:
+        import string
+
+        for template in templates:
+            try:
+                fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+            except ValueError as err:
+                raise ValueError(f"template {template!r}: {err}") from None
+            if fields - {"gender"}:
+                raise ValueError(f"template {template!r}: the only placeholder is {{gender}}; got {sorted(fields)}")
+        return templates
 
 
 class CocoOptions(Section):

@@ -1,73 +1,71 @@
 """DiffusionDB: zipped parts, each holding images and a JSON mapping file name → generation metadata.
 
-Filter rows: ``archive, member, caption, seed, cfg, steps, sampler``; rows whose member is not in
-its zip are dropped (``dropped_missing``), then repeated member names, first kept (``dropped_duplicate``).
+``poloclub/diffusiondb`` ``images/part-NNNNNN.zip``: ``<uuid>.png`` (2M) or ``.webp`` (large)
+images and ``part-NNNNNN.json`` = ``{file name: {"p": prompt, "se": seed, "c": cfg, "st": steps,
+"sa": sampler}}``. Row: ``archive`` = the zip (relative path), ``member`` = the file name,
+``caption`` = ``p``, ``meta`` = ``{seed, cfg, steps, sampler}``.
+
+Drops, in this order (each row counted once): ``unsafe_member`` (absolute or ``..`` name),
+``no_caption`` (null/missing/non-string prompt), ``missing`` (not in its zip), ``duplicate``
+(name already kept from an earlier zip, or stored twice in its zip). The image size is unknown
+here: ``filter.min_width``/``min_height`` are applied when re-sharding.
 """
 
 from __future__ import annotations
 
 import json
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import polars as pl
-
 from stages.common import InputError
+from stages.config import FilterRules
+from stages.sources.rows import DropCounter, row, safe_member, write_rows
+
+REASONS = ("unsafe_member", "no_caption", "missing", "duplicate")
+META_KEYS = {"se": "seed", "c": "cfg", "st": "steps", "sa": "sampler"}
 
 
-def archive_rows(zip_path: Path, archive: str) -> tuple[list[dict[str, Any]], set[str]]:
-    """The rows of one DiffusionDB zip's JSON mapping(s), and the names of the files it holds."""
-    with zipfile.ZipFile(zip_path) as zf:
-        names = set(zf.namelist())
-        rows = []
-        for json_name in sorted(n for n in names if n.endswith(".json")):
-            mapping = json.loads(zf.read(json_name))
-            for member in sorted(mapping):
-                meta = mapping[member] or {}
-                rows.append(
-                    {
-                        "archive": archive,
-                        "member": member,
-                        "caption": meta.get("p"),
-                        "seed": meta.get("se"),
-                        "cfg": meta.get("c"),
-                        "steps": meta.get("st"),
-                        "sampler": meta.get("sa"),
-                    }
-                )
-    return rows, names
+def read_mappings(zip_path: Path) -> tuple[list[tuple[str, Any]], Counter]:
+    """``(file name, entry)`` of every JSON mapping in the zip (sorted), and the zip's name counts."""
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            names = Counter(zf.namelist())
+            entries = []
+            for json_name in sorted(n for n in names if n.endswith(".json")):
+                mapping = json.loads(zf.read(json_name))
+                if not isinstance(mapping, dict):
+                    raise InputError(f"{zip_path}: {json_name} is not a JSON object (file name → metadata)")
+                entries += sorted(mapping.items())
+    except (zipfile.BadZipFile, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(f"{zip_path}: unreadable DiffusionDB part ({type(err).__name__}: {err})") from None
+    return entries, names
 
 
-DIFFUSIONDB_SCHEMA = {
-    "archive": pl.String,
-    "member": pl.String,
-    "caption": pl.String,
-    "seed": pl.Int64,
-    "cfg": pl.Float64,
-    "steps": pl.Int64,
-    "sampler": pl.String,
-}
-
-
-def filter_diffusiondb(in_dir: Path, out_file: Path) -> dict[str, int]:
-    """Rows of every zip's mapping minus images missing from the zip and repeated member names."""
+def filter_diffusiondb(in_dir: Path, out_file: Path, rules: FilterRules) -> dict[str, int]:
+    """Rows of every zip's mapping minus unsafe names, null prompts, images missing from the zip and repeats."""
     zips = sorted(in_dir.rglob("*.zip"))
     if not zips:
         raise InputError(f"no zip archives under {in_dir} (run download_metadata first)")
-    rows, present = [], []
+    drops, rows, kept, rows_in = DropCounter(REASONS), [], set(), 0
     for zip_path in zips:
-        zip_rows, names = archive_rows(zip_path, zip_path.relative_to(in_dir).as_posix())
-        rows += zip_rows
-        present += [row["member"] in names for row in zip_rows]
-    df = pl.DataFrame(rows, schema=DIFFUSIONDB_SCHEMA).with_columns(_present=pl.Series(present, dtype=pl.Boolean))
-    found = df.filter(pl.col("_present")).drop("_present")
-    kept = found.filter(pl.col("member").is_first_distinct())
-    kept.write_parquet(out_file)
-    return {
-        "files": len(zips),
-        "rows_in": df.height,
-        "dropped_missing": df.height - found.height,
-        "dropped_duplicate": found.height - kept.height,
-        "rows_out": kept.height,
-    }
+        archive = zip_path.relative_to(in_dir).as_posix()
+        entries, names = read_mappings(zip_path)
+        for name, entry in entries:
+            rows_in += 1
+            entry = entry if isinstance(entry, dict) else {}
+            member, caption = safe_member(name), entry.get("p")
+            if member is None or member != name:
+                drops.drop("unsafe_member")
+            elif not isinstance(caption, str):
+                drops.drop("no_caption")
+            elif member not in names:
+                drops.drop("missing")
+            elif member in kept or names[member] > 1:
+                drops.drop("duplicate")
+            else:
+                kept.add(member)
+                rows.append(row(archive, member, caption, {v: entry.get(k) for k, v in META_KEYS.items()}))
+    write_rows(rows, out_file, min_width=rules.min_width, min_height=rules.min_height)
+    return drops.metrics(files=len(zips), rows_in=rows_in, rows_out=len(rows))

@@ -1,4 +1,4 @@
-"""DiffusionDB (zipped parts + JSON mapping): filter rows and re-shard; the shared re-shard conversions."""
+"""DiffusionDB (zipped parts + JSON mapping): filter rows onto the common schema and re-shard them."""
 
 from __future__ import annotations
 
@@ -6,19 +6,15 @@ import json
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import get_args
 
-import cv2
 import numpy as np
 import polars as pl
 import pytest
 
-from stages import fetch_images, filter_metadata, reshard, shards
+from stages import fetch_images, filter_metadata, reshard, shards, sources
 from stages.config import Source
-
-
-def decode(jpeg: bytes) -> np.ndarray:
-    assert jpeg[:2] == b"\xff\xd8", "not a JPEG"
-    return cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_UNCHANGED)
+from tests.stages.source_fixtures import BLUE, close_to, decode, image_bytes, statuses
 
 
 def check_tar_layout(folder: Path) -> None:
@@ -33,46 +29,74 @@ def check_tar_layout(folder: Path) -> None:
 
 
 def test_demo_diffusiondb_keeps_every_image(demo_params, run_until):
-    metrics = run_until(demo_params, "filter_metadata")
+    metrics = run_until(demo_params, "filter_metadata")["filter_metadata@diffusiondb"]
     n = demo_params.demo.archive_images
-    assert metrics["filter_metadata@diffusiondb"] == {
-        "files": 1,
-        "rows_in": n,
+    assert (metrics["files"], metrics["rows_in"], metrics["rows_out"]) == (1, n, n)
+    assert {k: v for k, v in metrics.items() if k.startswith("dropped_")} == {
+        "dropped_unsafe_member": 0,
+        "dropped_no_caption": 0,
         "dropped_missing": 0,
         "dropped_duplicate": 0,
-        "rows_out": n,
     }
     df = pl.read_parquet(Path(demo_params.paths.filtered) / "diffusiondb" / "filtered.parquet")
-    assert df.columns == ["archive", "member", "caption", "seed", "cfg", "steps", "sampler"]
+    assert df.columns == ["archive", "member", "caption", "meta"]
     assert df["archive"].unique().to_list() == ["part-000001.zip"]
+    assert df["member"].to_list() == sorted(df["member"])
+    assert set(json.loads(df["meta"][0])) == {"seed", "cfg", "steps", "sampler"}
 
 
-def write_zip(path: Path, images: dict[str, bytes], mapping: dict) -> None:
+def write_zip(path: Path, images: dict[str, bytes], mapping: dict, extra: list[tuple[str, bytes]] = ()) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w") as zf:
-        for name, data in images.items():
+        for name, data in [*images.items(), *extra]:
             zf.writestr(name, data)
         zf.writestr(path.stem + ".json", json.dumps(mapping))
 
 
-def test_diffusiondb_drops_missing_members_then_duplicates(tmp_path):
+@pytest.mark.filterwarnings("ignore:Duplicate name")
+def test_diffusiondb_drop_reasons_each_counted_once(tmp_path):
     meta = tmp_path / "meta"
     entry = {"p": "prompt", "se": 1, "c": 7.0, "st": 50, "sa": "k_lms"}
     write_zip(
-        meta / "part-000001.zip", {"a.png": b"x", "b.png": b"y"}, {"a.png": entry, "b.png": entry, "gone.png": entry}
+        meta / "part-000001.zip",
+        {"a.png": b"x", "b.png": b"y", "twice.png": b"1", "../evil.png": b"e", "nul.png": b"n"},
+        {
+            "a.png": entry,
+            "b.png": entry,
+            "gone.png": entry,
+            "../evil.png": entry,
+            "/abs.png": entry,
+            "nul.png": {"p": None, "se": 2},
+            "twice.png": entry,
+        },
+        extra=[("twice.png", b"2")],
     )
-    write_zip(meta / "part-000002.zip", {"a.png": b"x", "c.png": b"z"}, {"a.png": entry, "c.png": {"p": "other"}})
+    write_zip(
+        meta / "part-000002.zip",
+        {"a.png": b"x", "c.png": b"z"},
+        {"a.png": entry, "c.png": {"p": "", "c": float("nan")}},
+    )
     source = Source(kind="diffusiondb", repo="unused", allow_patterns=["*.zip"])
     metrics = filter_metadata.run(source, "diffusiondb", meta, tmp_path / "out")
-    assert metrics == {"files": 2, "rows_in": 5, "dropped_missing": 1, "dropped_duplicate": 1, "rows_out": 3}
+    assert metrics == {
+        "files": 2,
+        "rows_in": 9,
+        "dropped_unsafe_member": 2,
+        "dropped_no_caption": 1,
+        "dropped_missing": 1,
+        "dropped_duplicate": 2,  # a.png again in part 2; twice.png stored twice in part 1
+        "rows_out": 3,
+    }
     kept = pl.read_parquet(tmp_path / "out" / "filtered.parquet")
-    assert kept.select("archive", "member").rows() == [
-        ("part-000001.zip", "a.png"),
-        ("part-000001.zip", "b.png"),
-        ("part-000002.zip", "c.png"),
+    assert kept.select("archive", "member", "caption").rows() == [
+        ("part-000001.zip", "a.png", "prompt"),
+        ("part-000001.zip", "b.png", "prompt"),
+        ("part-000002.zip", "c.png", ""),  # an empty prompt is a caption, kept as is
     ]
-    assert kept["caption"].to_list() == ["prompt", "prompt", "other"]
-    assert kept["seed"].to_list() == [1, 1, None]
+    assert [json.loads(m) for m in kept["meta"]][::2] == [
+        {"seed": 1, "cfg": 7.0, "steps": 50, "sampler": "k_lms"},
+        {"seed": None, "cfg": None, "steps": None, "sampler": None},  # NaN → null,
+    ]
 
 
 def fetch_diffusiondb(params, out: Path | None = None, **fetch_changes) -> dict:
@@ -89,26 +113,27 @@ def test_diffusiondb_reshards_every_archive_image(demo_params, run_until, tree_d
     run_until(demo_params, "filter_metadata")
     n = demo_params.demo.archive_images
     metrics = fetch_diffusiondb(demo_params)
-    assert metrics == {
+    assert {k: metrics[k] for k in ("samples", "successes", "failed_to_download", "failed_to_resize", "shards")} == {
         "samples": n,
         "successes": n,
         "failed_to_download": 0,
         "failed_to_resize": 0,
-        "success_rate": 1.0,
         "shards": 3,
     }
     out = Path(demo_params.paths.shards) / "diffusiondb"
     check_tar_layout(out)
     filtered = pl.read_parquet(Path(demo_params.paths.filtered) / "diffusiondb" / "filtered.parquet")
-    caption_of = dict(filtered.select("member", "caption").iter_rows())
+    row_of = {r["member"]: r for r in filtered.to_dicts()}
     samples = list(shards.iter_samples(out))
     assert [k for k, _ in samples] == [shards.sample_key(i, 4)[1] for i in range(n)]
     assert samples[4][0] == "000010"  # img2dataset's scheme: shard 1 starts at 1 * 10**ceil(log10(4))
     for key, sample in samples:
         meta = json.loads(sample["json"])
-        assert sample["txt"].decode() == caption_of[meta["member"]] == meta["caption"]
+        row = row_of[meta["member"]]
+        assert sample["txt"].decode() == row["caption"] == meta["caption"]
         assert (meta["key"], meta["source"], meta["width"], meta["height"]) == (key, "diffusiondb", 32, 32)
         assert (meta["original_width"], meta["original_height"]) == (40, 40)
+        assert meta["seed"] == json.loads(row["meta"])["seed"]  # the row's meta fields are in the sample's json
         assert decode(sample["jpg"]).shape == (32, 32, 3)
     stats = json.loads((out / "00002_stats.json").read_text())
     assert stats == {
@@ -126,54 +151,48 @@ def test_diffusiondb_reshards_every_archive_image(demo_params, run_until, tree_d
     assert tree_digest(tmp_path / "parallel") == digest
 
 
-def png(img: np.ndarray) -> bytes:
-    return cv2.imencode(".png", img)[1].tobytes()
-
-
-def test_diffusiondb_decodes_gray_rgba_16bit_and_counts_corrupt_and_missing(tmp_path):
-    from stages.config import Source
+def test_diffusiondb_reshard_counts_corrupt_missing_and_too_small(tmp_path):
+    import cv2
 
     rng = np.random.default_rng(0)
     images = {
-        "gray.png": png(rng.integers(0, 255, (40, 60), dtype=np.uint8)),
-        "rgba.png": png(np.dstack([np.zeros((50, 40, 3), np.uint8), np.zeros((50, 40), np.uint8)])),
-        "deep.png": png(rng.integers(0, 65535, (36, 36, 3), dtype=np.uint16)),
+        "gray.png": cv2.imencode(".png", rng.integers(0, 255, (40, 60), dtype=np.uint8))[1].tobytes(),
+        "blue.png": image_bytes(40, 40, BLUE, "PNG"),
+        "small.png": image_bytes(20, 40, BLUE, "PNG"),
         "corrupt.png": b"\x89PNG\r\n\x1a\nnot really",
     }
-    meta_dir, filtered_dir = tmp_path / "meta", tmp_path / "filtered"
-    meta_dir.mkdir()
-    with zipfile.ZipFile(meta_dir / "part-000001.zip", "w") as zf:
-        for name, data in images.items():
-            zf.writestr(name, data)
-    rows = [
-        {"archive": "part-000001.zip", "member": m, "caption": m, "seed": 1, "cfg": 7.0, "steps": 50, "sampler": "ddim"}
-        for m in [*images, "gone.png"]
-    ]
-    filtered_dir.mkdir()
-    pl.DataFrame(rows).write_parquet(filtered_dir / "filtered.parquet")
-    source = Source(kind="diffusiondb", repo="unused", fetch={"image_size": 32, "shard_size": 10})
-    metrics = fetch_images.run(source, "diffusiondb", filtered_dir, meta_dir, tmp_path / "out")
-    assert metrics == {
-        "samples": 5,
-        "successes": 3,
-        "failed_to_download": 1,
-        "failed_to_resize": 1,
-        "success_rate": 0.6,
-        "shards": 1,
-    }
-    samples = {json.loads(s["json"])["member"]: s for _, s in shards.iter_samples(tmp_path / "out")}
-    assert sorted(samples) == ["deep.png", "gray.png", "rgba.png"]
-    for sample in samples.values():
-        assert decode(sample["jpg"]).shape == (32, 32, 3)
-    assert decode(samples["rgba.png"]["jpg"]).min() > 240  # transparent black composited onto white
-    tried = pl.read_parquet(tmp_path / "out" / "00000.parquet")
-    assert dict(tried.select("member", "status").iter_rows()) == {
+    mapping = {name: {"p": name, "se": 1} for name in images}
+    meta_dir = tmp_path / "meta"
+    write_zip(meta_dir / "part-000001.zip", images, mapping)
+    source = Source(
+        kind="diffusiondb", repo="unused", filter={"min_width": 32}, fetch={"image_size": 32, "shard_size": 10}
+    )
+    assert filter_metadata.run(source, "diffusiondb", meta_dir, tmp_path / "filtered")["rows_out"] == 4
+    # a row the filter would not write (hand-edited parquet): the member is missing
+    filtered = tmp_path / "filtered" / "filtered.parquet"
+    rows = pl.read_parquet(filtered)
+    extra = pl.DataFrame([{"archive": "part-000001.zip", "member": "gone.png", "caption": "x", "meta": "{}"}])
+    import pyarrow.parquet as pq
+
+    table = pl.concat([rows, extra]).to_arrow().replace_schema_metadata(pq.read_schema(filtered).metadata)
+    pq.write_table(table, filtered)
+    metrics = fetch_images.run(source, "diffusiondb", tmp_path / "filtered", meta_dir, tmp_path / "out")
+    assert (metrics["samples"], metrics["successes"], metrics["failed_to_download"], metrics["failed_to_resize"]) == (
+        5,
+        2,
+        1,
+        1,
+    )
+    assert statuses(tmp_path / "out") == {
+        "blue.png": "success",
         "corrupt.png": "failed_to_resize",
-        "deep.png": "success",
         "gone.png": "failed_to_download",
         "gray.png": "success",
-        "rgba.png": "success",
+        "small.png": "too_small",  # min_width travels in filtered.parquet's metadata to the re-shard step
     }
+    samples = {json.loads(s["json"])["member"]: s for _, s in shards.iter_samples(tmp_path / "out")}
+    jpg = decode(samples["blue.png"]["jpg"])
+    assert jpg.shape == (32, 32, 3) and close_to(tuple(jpg[16, 16]), BLUE)
 
 
 @pytest.mark.parametrize(
@@ -188,14 +207,7 @@ def test_resize_modes(mode, shape):
         assert out[:, 0].max() == 0 and out[16, 16].min() == 200
 
 
-def test_source_kind_without_adapter_is_refused(tmp_path):
-    from stages import fetch_images, filter_metadata
-    from stages.common import InputError
-    from stages.config import Source
-
-    coco = Source(kind="coco", repo="detection-datasets/coco")
-    with pytest.raises(InputError, match="sources.coco.kind: 'coco' has no fetch adapter yet"):
-        fetch_images.run(coco, "coco", tmp_path / "f", tmp_path / "m", tmp_path / "o")
-    (tmp_path / "meta").mkdir()
-    with pytest.raises(InputError, match="sources.coco.kind: 'coco' has no filter adapter yet"):
-        filter_metadata.run(coco, "coco", tmp_path / "meta", tmp_path / "out")
+def test_every_source_kind_has_a_filter_and_fetch_adapter():
+    kinds = set(get_args(Source.model_fields["kind"].annotation))
+    assert kinds == {"laion"} | sources.LOCAL_KINDS
+    assert kinds <= fetch_images.SUPPORTED_KINDS

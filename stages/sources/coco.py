@@ -1,0 +1,177 @@
+"""COCO 2017: images with a tall person, captioned from COCO captions.
+
+Layout (cocodataset.org, unpacked): ``annotations/instances_train2017.json``,
+``annotations/captions_train2017.json`` (globs ``coco.instances`` / ``coco.captions``) and the
+images as loose files ``train2017/<file_name>`` (the folder named by the split in the instances
+file's name) or ``<file_name>`` relative to the source folder. An image is kept when some non-crowd
+``person`` box is at least ``coco.min_person_height`` × the image's ``height`` (from the JSON).
+Row: ``archive`` null, ``member`` = the image's relative path, ``caption`` = the caption with the
+lowest annotation id, ``meta`` = ``{image_id, captions (all, by id), person_height (best box height /
+image height), persons (qualifying boxes), split}``.
+
+Drops, in this order: ``bad_record`` (an image entry without an integer ``id``), ``duplicate``
+(image id seen already), ``unsafe_member`` (absolute or ``..``
+``file_name``), ``bad_size`` (width/height missing, not a number or ≤ 0), ``too_small``
+(``filter.min_width``/``min_height`` on the JSON size), ``no_person``, ``no_caption``, ``missing``
+(no image file). Extra metrics: ``invalid_boxes`` (person boxes with a null, negative or NaN
+height, ignored), ``invalid_captions`` (caption annotations without a string caption, ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from stages.common import InputError
+from stages.config import CocoOptions, FilterRules
+from stages.sources.rows import DropCounter, inside, row, safe_member, write_rows
+
+REASONS = ("bad_record", "duplicate", "unsafe_member", "bad_size", "too_small", "no_person", "no_caption", "missing")
+_SPLIT = re.compile(r"^instances_(.+)\.json$")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise InputError(f"{path}: unreadable COCO annotation file ({type(err).__name__}: {err})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a COCO annotation file (expected a JSON object)")
+    return data
+
+
+def _number(value: Any) -> float | None:
+    """A finite number, or None (null, NaN, strings, booleans)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def captions_by_image(paths: list[Path]) -> tuple[dict[int, list[tuple[int, str]]], int]:
+    """``{image_id: [(annotation id, caption), ...] sorted}`` and the count of invalid caption annotations."""
+    captions: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    invalid = 0
+    for path in paths:
+        for ann in _load(path).get("annotations") or []:
+            if (
+                isinstance(ann, dict)
+                and _is_id(ann.get("image_id"))
+                and isinstance(ann.get("caption"), str)
+                and _is_id(ann.get("id"))
+            ):
+                captions[ann.get("image_id")].append((ann["id"], ann["caption"]))
+            else:
+                invalid += 1
+    return {image_id: sorted(caps) for image_id, caps in captions.items()}, invalid
+
+
+def person_heights(data: dict[str, Any]) -> tuple[dict[Any, list[float]], int]:
+    """Non-crowd person box heights per image id, and the count of person boxes with an invalid height."""
+    categories = data.get("categories") or []
+    person_ids = {
+        c.get("id") for c in categories if isinstance(c, dict) and c.get("name") == "person" and _is_id(c.get("id"))
+    }
+    heights: dict[Any, list[float]] = defaultdict(list)
+    invalid = 0
+    for ann in data.get("annotations") or []:
+        if not isinstance(ann, dict) or not _is_id(ann.get("category_id")) or ann["category_id"] not in person_ids:
+            continue
+        if ann.get("iscrowd"):
+            continue
+        if not _is_id(ann.get("image_id")):
+            invalid += 1
+            continue
+        bbox = ann.get("bbox")
+        h = _number(bbox[3]) if isinstance(bbox, list) and len(bbox) == 4 else None
+        if h is None or h <= 0:
+            invalid += 1
+        else:
+            heights[ann.get("image_id")].append(h)
+    return heights, invalid
+
+
+def filter_coco(in_dir: Path, out_file: Path, options: CocoOptions, rules: FilterRules) -> dict[str, int]:
+    """One row per image with a person box ≥ ``min_person_height`` of its height and a caption."""
+    instance_files = sorted(in_dir.glob(options.instances))
+    caption_files = sorted(in_dir.glob(options.captions))
+    if not instance_files or not caption_files:
+        raise InputError(
+            f"{in_dir}: need COCO instances ({options.instances!r}: {len(instance_files)} found) and captions "
+            f"({options.captions!r}: {len(caption_files)} found) annotation files (run download_metadata first)"
+        )
+    captions, invalid_captions = captions_by_image(caption_files)
+    drops, rows, seen, rows_in, invalid_boxes = DropCounter(REASONS), [], set(), 0, 0
+    for path in instance_files:
+        data = _load(path)
+        match = _SPLIT.match(path.name)
+        split = match[1] if match else None
+        heights, invalid = person_heights(data)
+        invalid_boxes += invalid
+        for image in data.get("images") or []:
+            rows_in += 1
+            image = image if isinstance(image, dict) else {}
+            image_id, file_name = image.get("id"), safe_member(image.get("file_name"))
+            width, height = _number(image.get("width")), _number(image.get("height"))
+            if not _is_id(image_id):
+                drops.drop("bad_record")
+                continue
+            if image_id in seen:
+                drops.drop("duplicate")
+                continue
+            seen.add(image_id)
+            if file_name is None:
+                drops.drop("unsafe_member")
+                continue
+            if width is None or height is None or width <= 0 or height <= 0:
+                drops.drop("bad_size")
+                continue
+            if (rules.min_width is not None and width < rules.min_width) or (
+                rules.min_height is not None and height < rules.min_height
+            ):
+                drops.drop("too_small")
+                continue
+            tall = [h for h in heights.get(image_id, []) if h >= options.min_person_height * height]
+            if not tall:
+                drops.drop("no_person")
+                continue
+            if not captions.get(image_id):
+                drops.drop("no_caption")
+                continue
+            member = image_file(in_dir, split, file_name)
+            if member is None:
+                drops.drop("missing")
+                continue
+            meta = {
+                "image_id": image_id,
+                "captions": [c for _, c in captions[image_id]],
+                "person_height": round(max(tall) / height, 4),
+                "persons": len(tall),
+                "split": split,
+            }
+            rows.append(row(None, member, captions[image_id][0][1], meta))
+    write_rows(rows, out_file)
+    return drops.metrics(
+        files=len(instance_files) + len(caption_files),
+        rows_in=rows_in,
+        rows_out=len(rows),
+        invalid_boxes=invalid_boxes,
+        invalid_captions=invalid_captions,
+    )
+
+
+def image_file(in_dir: Path, split: str | None, file_name: str) -> str | None:
+    """The image's path relative to ``in_dir``: ``<split>/<file_name>`` or ``<file_name>``, if a regular
+    file inside ``in_dir``."""
+    for rel in ([f"{split}/{file_name}"] if split else []) + [file_name]:
+        path = in_dir / rel
+        if path.is_file() and inside(path, in_dir):
+            return rel
+    return None
