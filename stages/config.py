@@ -323,11 +323,24 @@ class Models(Section):
 
 
 class Encode(Section):
-    """VAE latent encoding of fetched shards."""
+    """VAE latent encoding of fetched shards: one latent shard per input tar."""
 
     batch_size: int = Field(16, ge=1)
-    shard_size: int = Field(4096, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    resolution: int = Field(512, ge=8)
+    """Pixel size the VAE encodes (the UNet's sample_size × the VAE's downsampling factor)."""
+    wrong_size: Literal["resize", "skip"] = "resize"
+    """An image that is not ``resolution``² is resized (shorter side) and centre-cropped, or skipped."""
+    decode_workers: int = Field(4, ge=1)
+    """Threads decoding and resizing JPEGs (OpenCV releases the GIL)."""
+    prefetch_shards: int = Field(2, ge=0)
+    """Input tars read ahead of the one being decoded (downloaded ahead when the input is s3://)."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bf16 autocast on CUDA; the CPU always encodes in fp32."""
+    channels_last: bool = True
+    """channels_last VAE and inputs on CUDA."""
+    compile: bool = False
+    """``torch.compile`` the VAE encoder (CUDA; batches are padded to ``batch_size``: one graph)."""
 
 
 class Train(Section):

@@ -1,165 +1,268 @@
 """Stage ``encode_latents@<source>``: WebDataset shards → VAE latents + token ids in latent shards.
 
-Output ``${paths.latents}/<source>/``:
-- ``shard-NNNNN.safetensors``: ``latents`` fp16 ``[N, C, h, w]`` (posterior mean × scaling
-  factor) and ``input_ids`` int32 ``[N, 77]``;
-- ``manifest.parquet``: ``key, caption, source, shard, row, width, height, truncated``.
-Each shard is written to a temp name and renamed.
+Output ``${paths.latents}/<source>/`` (format in :mod:`stages.latent_store`), one latent shard per
+input tar ``NNNNN.tar``:
+
+- ``shard-NNNNN.safetensors``: ``latents`` fp16 ``[N, C, h, w]`` (posterior mean × scaling factor),
+  ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size, stamp, sha256), the
+  encoder fingerprint (VAE + tokenizer files, resolution, skip policy, precision), the sample count
+  and the bad-sample counts;
+- ``shard-NNNNN.parquet``: that shard's manifest rows with the same metadata, written after it;
+- ``manifest.parquet``: every part concatenated, written last. Columns: ``key, caption, source,
+  shard, row, width, height`` (as found in the tar), ``original_width, original_height`` (from the
+  sample's JSON), ``resized, truncated``.
+
+Kill-safe: each file is written to a temp name and renamed. A rerun keeps a shard when both files
+exist and agree (:func:`stages.latent_store.check_shard`) and their metadata names the same input
+(size + mtime, else its sha256) and the same encoder; it re-encodes every other shard. The
+pipeline itself is :mod:`stages.encode_pipeline`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
-import cv2
-import numpy as np
-import polars as pl
-import torch
-from safetensors.torch import save as safetensors_save
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from stages import latent_store as store
+from stages import s3_inputs
 from stages.common import InputError, atomic_write_bytes, stage_cli
 from stages.config import Encode, Params
-from stages.shards import read_tar
+from stages.encode_pipeline import EncodedShard, Options, TarInput, encode_shards
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.parquet"
+FORMAT = "sdforge-latents/1"
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("caption", pa.string()),
+        ("source", pa.string()),
+        ("shard", pa.int64()),
+        ("row", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("original_width", pa.int32()),
+        ("original_height", pa.int32()),
+        ("resized", pa.bool_()),
+        ("truncated", pa.bool_()),
+    ]
+)
+COUNT_KEYS = (
+    "skipped_no_image",
+    "skipped_corrupt",
+    "skipped_wrong_size",
+    "skipped_duplicate_key",
+    "tar_errors",
+    "resized",
+    "captions_empty",
+    "captions_truncated",
+)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One decoded image and its caption from a WebDataset shard."""
-
-    key: str
-    caption: str
-    image: np.ndarray
-
-
-def iter_shard_samples(shard_dir: Path, counts: dict[str, int]) -> Iterator[Sample]:
-    """Yield samples of every ``*.tar`` in ``shard_dir`` (sorted), skipping and counting bad ones."""
-    tars = sorted(shard_dir.glob("*.tar"))
-    if not tars:
+def list_inputs(shard_dir: str | Path) -> list[TarInput]:
+    """The input tars, sorted; shard number = the tar's numeric stem (else its position)."""
+    if s3_inputs.is_s3(str(shard_dir)):
+        found = s3_inputs.list_tars(str(shard_dir))
+    else:
+        found = [(p.name, str(p), (st := p.stat()).st_size, str(st.st_mtime_ns)) for p in Path(shard_dir).glob("*.tar")]
+    if not found:
         raise InputError(f"{shard_dir}: no .tar shards found (did fetch_images run?)")
-    for tar_path in tars:
-        groups = read_tar(tar_path)
-        for key in sorted(groups):
-            sample = _decode(tar_path, key, groups[key], counts)
-            if sample is not None:
-                yield sample
+    found.sort()
+    stems = [name.removesuffix(".tar") for name, *_ in found]
+    numeric = all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems)
+    return [
+        TarInput(int(stem) if numeric else i, name, path, size, stamp)
+        for i, (stem, (name, path, size, stamp)) in enumerate(zip(stems, found, strict=True))
+    ]
 
 
-def _decode(tar_path: Path, key: str, files: dict[str, bytes], counts: dict[str, int]) -> Sample | None:
-    if "jpg" not in files:
-        counts["skipped_no_image"] += 1
-        log.warning("%s: sample %s has no .jpg; skipped", tar_path, key)
+def encoder_fingerprint(models_dir: Path, cfg: Encode, precision: str) -> str:
+    """sha256 of the VAE and tokenizer files and the settings that change the output."""
+    h = hashlib.sha256(json.dumps([FORMAT, cfg.resolution, cfg.wrong_size, precision]).encode())
+    for sub in ("vae", "tokenizer"):
+        for path in sorted(p for p in (models_dir / sub).rglob("*") if p.is_file()):
+            h.update(path.relative_to(models_dir).as_posix().encode() + b"\0")
+            with path.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _reusable(tar: TarInput, out_dir: Path, encoder: str) -> tuple[pa.Table, dict] | None:
+    """The shard's manifest part and metadata if it is complete and current, else None (logged why)."""
+    if not (out_dir / store.part_name(tar.shard)).exists():
         return None
-    bgr = cv2.imdecode(np.frombuffer(files["jpg"], np.uint8), cv2.IMREAD_COLOR)
-    if bgr is None:
-        counts["skipped_corrupt"] += 1
-        log.warning("%s: sample %s: image does not decode; skipped", tar_path, key)
+    try:
+        table, meta = store.check_shard(out_dir, tar.shard)
+    except InputError as err:
+        log.warning("shard %d is redone: %s", tar.shard, err)
         return None
-    caption = files.get("txt", b"").decode("utf-8", errors="replace")
-    return Sample(key=key, caption=caption, image=cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+    if meta.get("encoder") != encoder:
+        why = "encoded with another VAE, tokenizer or settings"
+    elif meta.get("input") != tar.name or meta.get("input_size") != str(tar.size):
+        why = f"its input was {meta.get('input')} of {meta.get('input_size')} bytes"
+    elif meta.get("input_stamp") == tar.stamp or (
+        not s3_inputs.is_s3(tar.path) and meta.get("input_sha256") == _sha256(tar.path)
+    ):
+        return table, meta
+    else:
+        why = f"{tar.name} changed"
+    log.warning("shard %d is redone: %s", tar.shard, why)
+    return None
 
 
-def _batches(samples: Iterator[Sample], size: int) -> Iterator[list[Sample]]:
-    batch: list[Sample] = []
-    for s in samples:
-        batch.append(s)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _clean(out_dir: Path, keep: set[int]) -> None:
+    """Remove temp files of a killed run and shards whose input tar is gone."""
+    for path in out_dir.glob(".*.tmp"):
+        path.unlink(missing_ok=True)
+    for pattern in (store.SHARD_PATTERN, store.PART_PATTERN):
+        for path in out_dir.glob(pattern):
+            number = path.name.split(".")[0].removeprefix("shard-")
+            if not number.isdigit() or int(number) not in keep:
+                log.warning("%s: no input tar for it any more; removed", path)
+                path.unlink()
 
 
-def tokenize(tokenizer, captions: list[str]) -> tuple[torch.Tensor, list[bool]]:
-    """Token ids ``[B, max_len]`` (int32) and, per caption, whether it was truncated."""
-    full = tokenizer(captions, truncation=False).input_ids
-    ids = tokenizer(
-        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    ).input_ids
-    return ids.to(torch.int32), [len(f) > tokenizer.model_max_length for f in full]
+def _write(out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_factor: float) -> pa.Table:
+    """Write one shard's safetensors, then its manifest part; return the part's rows."""
+    n = len(enc.rows)
+    rows = [{**r, "source": source, "shard": enc.tar.shard, "row": i} for i, r in enumerate(enc.rows)]
+    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    counts = {k: int(enc.counts.get(k, 0)) for k in COUNT_KEYS}
+    meta = {
+        "format": FORMAT,
+        "source": source,
+        "input": enc.tar.name,
+        "input_size": str(enc.tar.size),
+        "input_stamp": enc.tar.stamp,
+        "input_sha256": enc.sha256,
+        "encoder": encoder,
+        "scaling_factor": repr(scaling_factor),
+        "samples": str(n),
+        "counts": json.dumps(counts, sort_keys=True),
+    }
+    part, sf = out_dir / store.part_name(enc.tar.shard), out_dir / store.shard_name(enc.tar.shard)
+    part.unlink(missing_ok=True)
+    if n:
+        store.write_shard_sorted(sf, enc.latents, enc.input_ids, meta)
+    else:
+        sf.unlink(missing_ok=True)
+    store.write_part(part, table, meta)
+    return table
 
 
-def _write_shard(out_dir: Path, index: int, latents: list[torch.Tensor], ids: list[torch.Tensor]) -> str:
-    name = f"shard-{index:05d}.safetensors"
-    tensors = {"latents": torch.cat(latents).to(torch.float16).contiguous(), "input_ids": torch.cat(ids).contiguous()}
-    atomic_write_bytes(out_dir / name, safetensors_save(tensors))
-    return name
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when available, else ``cpu``."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
-def run(cfg: Encode, source: str, shard_dir: Path, models_dir: Path, out_dir: Path) -> dict:
-    """Encode every sample of ``shard_dir`` into latent shards under ``out_dir``; return metrics."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTokenizer
-
-    from model.latents import encode_latents, images_to_tensor
-
-    device = (
-        "cuda"
-        if cfg.device == "auto" and torch.cuda.is_available()
-        else ("cpu" if cfg.device == "auto" else cfg.device)
-    )
-    vae = AutoencoderKL.from_pretrained(models_dir / "vae").to(device).eval()
-    tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
+def run(cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path) -> dict:
+    """Encode every input tar of ``shard_dir`` not already encoded under ``out_dir``; return metrics."""
+    t0 = time.perf_counter()
+    models_dir, out_dir = Path(models_dir), Path(out_dir)
+    device = resolve_device(cfg.device)
+    precision = "bf16" if device == "cuda" and cfg.mixed_precision == "bf16" else "fp32"
+    tars = list_inputs(shard_dir)
+    encoder = encoder_fingerprint(models_dir, cfg, precision)
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {"skipped_no_image": 0, "skipped_corrupt": 0}
-    rows: list[dict] = []
-    pending_latents: list[torch.Tensor] = []
-    pending_ids: list[torch.Tensor] = []
-    shard_index, in_shard = 0, 0
-    for batch in _batches(iter_shard_samples(shard_dir, counts), cfg.batch_size):
-        latents = encode_latents(vae, images_to_tensor([s.image for s in batch])).cpu()
-        ids, truncated = tokenize(tokenizer, [s.caption for s in batch])
-        for i, s in enumerate(batch):
-            rows.append(
-                {
-                    "key": s.key,
-                    "caption": s.caption,
-                    "source": source,
-                    "shard": shard_index,
-                    "row": in_shard + i,
-                    "width": s.image.shape[1],
-                    "height": s.image.shape[0],
-                    "truncated": truncated[i],
-                }
-            )
-        pending_latents.append(latents)
-        pending_ids.append(ids)
-        in_shard += len(batch)
-        if in_shard >= cfg.shard_size:
-            _write_shard(out_dir, shard_index, pending_latents, pending_ids)
-            shard_index, in_shard, pending_latents, pending_ids = shard_index + 1, 0, [], []
-    if pending_latents:
-        _write_shard(out_dir, shard_index, pending_latents, pending_ids)
-        shard_index += 1
-    if not rows:
+    _clean(out_dir, {t.shard for t in tars})
+    parts = {t.shard: done for t in tars if (done := _reusable(t, out_dir, encoder)) is not None}
+    todo = [t for t in tars if t.shard not in parts]
+    log.info("%s: %d input tars, %d already encoded, %d to encode", shard_dir, len(tars), len(parts), len(todo))
+    stats: Counter = Counter()
+    if todo:
+        (out_dir / store.MANIFEST).unlink(missing_ok=True)
+        parts.update(_encode(cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats))
+    tables = [parts[t.shard][0] for t in tars]
+    manifest = pa.concat_tables(tables) if tables else MANIFEST_SCHEMA.empty_table()
+    if manifest.num_rows == 0:
         raise InputError(f"{shard_dir}: shards hold no decodable samples")
-    atomic_write_bytes(out_dir / MANIFEST, _parquet_bytes(pl.DataFrame(rows)))
-    latent_shape = list(latents.shape[1:])
+    buf = io.BytesIO()
+    pq.write_table(manifest, buf)
+    atomic_write_bytes(out_dir / store.MANIFEST, buf.getvalue())
+    totals = Counter()
+    for t in tars:
+        totals.update(json.loads(parts[t.shard][1]["counts"]))
+    first = next(t for t in tars if int(parts[t.shard][1]["samples"]))
+    header, _ = store.read_header(out_dir / store.shard_name(first.shard))
     return {
-        "samples": len(rows),
-        "shards": shard_index,
-        "latent_shape": latent_shape,
-        "captions_truncated": int(sum(r["truncated"] for r in rows)),
-        **counts,
+        "samples": manifest.num_rows,
+        "shards": len(tars),
+        "shards_encoded": len(todo),
+        "shards_reused": len(tars) - len(todo),
+        "latent_shape": header["latents"]["shape"][1:],
+        **{k: int(totals.get(k, 0)) for k in COUNT_KEYS},
+        "device": device,
+        "precision": precision,
+        "decode_workers": cfg.decode_workers,
+        "images_encoded": int(stats["images"]),
+        "images_per_second": round(stats["images"] / stats["pipeline_seconds"], 2) if stats["images"] else None,
+        "encode_wait_fraction": round(stats["wait_seconds"] / stats["pipeline_seconds"], 4) if todo else None,
+        "seconds": round(time.perf_counter() - t0, 2),
     }
 
 
-def _parquet_bytes(df: pl.DataFrame) -> bytes:
-    buf = io.BytesIO()
-    df.write_parquet(buf)
-    return buf.getvalue()
+def _encode(cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats) -> dict:
+    """Run the pipeline over ``todo``, writing each shard as it completes; return its parts."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTokenizer
+
+    from model.latents import scaling_factor
+
+    vae = AutoencoderKL.from_pretrained(models_dir / "vae")
+    tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
+    opts = Options(
+        batch_size=cfg.batch_size,
+        resolution=cfg.resolution,
+        wrong_size=cfg.wrong_size,
+        decode_workers=cfg.decode_workers,
+        prefetch_shards=cfg.prefetch_shards,
+        device=device,
+        bf16=precision == "bf16",
+        channels_last=cfg.channels_last,
+        compile=cfg.compile,
+    )
+    parts = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="encode-inputs-") as tmp:
+        for enc in encode_shards(todo, vae, tokenizer, opts, stats, tmp_dir=tmp):
+            table = _write(out_dir, enc, source, encoder, scaling_factor(vae))
+            parts[enc.tar.shard] = store.read_part(out_dir / store.part_name(enc.tar.shard))
+            log.info("shard %d (%s): %d samples encoded", enc.tar.shard, enc.tar.name, table.num_rows)
+    stats["pipeline_seconds"] = time.perf_counter() - t0
+    return parts
+
+
+def _shard_dir(shards: str, source: str) -> str | Path:
+    return f"{shards.rstrip('/')}/{source}" if s3_inputs.is_s3(shards) else Path(shards) / source
 
 
 def _run_stage(params: Params, source: str) -> dict:
     paths = params.paths
-    metrics = run(params.encode, source, Path(paths.shards) / source, Path(paths.models), Path(paths.latents) / source)
+    metrics = run(
+        params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), Path(paths.latents) / source
+    )
     from stages.tracking import log_stage
 
     log_stage(params.tracking, "data", f"encode_latents@{source}", metrics, params.encode.model_dump())

@@ -1,0 +1,442 @@
+"""The overlapped encode pipeline: input tars → decoded, resized images → token ids → VAE latents.
+
+Four stages run at once, joined by bounded queues (OpenCV, file reads, hashlib and torch release
+the GIL, so threads overlap)::
+
+    reader thread    streams each tar (sha256 on the fly), groups members by key and submits
+                     one decode job per sample, in order, to
+    decode pool      ``decode_workers`` threads: imdecode, resize + centre crop, BGR→RGB
+    batcher thread   takes the jobs' results in submission order, tokenizes the captions,
+                     stacks ``batch_size`` images into a uint8 tensor (pinned on CUDA)
+    caller's thread  uploads, encodes (bf16 autocast + channels_last on CUDA), keeps fp16 latents;
+                     yields one :class:`EncodedShard` per input tar
+
+Batches never span two tars and results are consumed in submission order, so the output does
+not depend on the number of workers, nor on which tars an interrupted run had finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import tarfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import cv2
+import numpy as np
+import torch
+
+from model.latents import encode_latents, uint8_to_model_range
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class TarInput:
+    """One input tar: output shard number, name, where to read it, and its size/stamp when listed."""
+
+    shard: int
+    name: str
+    path: str
+    size: int
+    stamp: str
+    """Local: ``mtime_ns``; S3: the ETag."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the pipeline needs from ``Encode`` plus the resolved device and precision."""
+
+    batch_size: int
+    resolution: int
+    wrong_size: str = "resize"
+    decode_workers: int = 4
+    prefetch_shards: int = 2
+    device: str = "cpu"
+    bf16: bool = False
+    channels_last: bool = False
+    compile: bool = False
+
+
+@dataclass
+class Decoded:
+    """One sample after decoding; ``image`` is None when it was skipped (``problem`` says why)."""
+
+    key: str
+    caption: str
+    image: np.ndarray | None
+    width: int | None = None
+    height: int | None = None
+    original_width: int | None = None
+    original_height: int | None = None
+    resized: bool = False
+    problem: str | None = None
+
+
+@dataclass
+class EncodedShard:
+    """One input tar's output: fp16 latents (None if no sample survived), int32 token ids, rows, counts."""
+
+    tar: TarInput
+    sha256: str
+    latents: torch.Tensor | None
+    input_ids: torch.Tensor | None
+    rows: list[dict]
+    counts: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class _Batch:
+    images: torch.Tensor
+    input_ids: torch.Tensor
+    rows: list[dict]
+
+
+@dataclass
+class _TarEnd:
+    tar: TarInput
+    sha256: str
+    counts: Counter
+
+
+class _Failed:
+    def __init__(self, err: BaseException):
+        self.err = err
+
+
+# ------------------------------------------------------------------------------------ decoding
+
+
+def resize_center_crop(img: np.ndarray, size: int) -> np.ndarray:
+    """Scale the shorter side to ``size`` (INTER_AREA down, INTER_CUBIC up), then crop the centre square."""
+    h, w = img.shape[:2]
+    scale = size / min(h, w)
+    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+    img = cv2.resize(img, (nw, nh), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC)
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return img[top : top + size, left : left + size]
+
+
+def decode_sample(key: str, files: dict[str, bytes], resolution: int, wrong_size: str = "resize") -> Decoded:
+    """Decode one WebDataset sample to RGB ``resolution``²; bad samples come back with a ``problem``."""
+    caption = files.get("txt", b"").decode("utf-8", errors="replace")
+    meta = _json(files.get("json"))
+    out = Decoded(
+        key, caption, None, original_width=meta.get("original_width"), original_height=meta.get("original_height")
+    )
+    data = next((files[e] for e in IMAGE_EXTS if e in files), None)
+    if data is None:
+        out.problem = "no_image"
+        return out
+    try:
+        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    except cv2.error:
+        bgr = None
+    if bgr is None or bgr.size == 0:
+        out.problem = "corrupt"
+        return out
+    out.height, out.width = bgr.shape[:2]
+    if bgr.shape[:2] != (resolution, resolution):
+        if wrong_size == "skip":
+            out.problem = "wrong_size"
+            return out
+        bgr, out.resized = resize_center_crop(bgr, resolution), True
+    out.image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    return out
+
+
+def _json(data: bytes | None) -> dict:
+    try:
+        meta = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return {k: meta.get(k) if isinstance(meta.get(k), int) else None for k in ("original_width", "original_height")}
+
+
+def tokenize(tokenizer, captions: list[str]) -> tuple[torch.Tensor, list[bool]]:
+    """Token ids ``[B, max_len]`` (int32) and, per caption, whether it was truncated."""
+    full = tokenizer(captions, truncation=False).input_ids
+    ids = tokenizer(
+        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    ).input_ids
+    return ids.to(torch.int32), [len(f) > tokenizer.model_max_length for f in full]
+
+
+# ------------------------------------------------------------------------------- input reading
+
+
+class _HashingReader:
+    """A read-only file wrapper that feeds every byte read into ``digest``."""
+
+    def __init__(self, fh, digest):
+        self.fh, self.digest = fh, digest
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        self.digest.update(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def iter_tar_groups(fh, counts: Counter) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Stream ``(key, {ext: bytes})`` from a WebDataset tar; a damaged tar ends early (counted)."""
+    key, files, seen = None, {}, set()
+    try:
+        with tarfile.open(fileobj=fh, mode="r|") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                name_key, _, ext = member.name.partition(".")
+                if name_key != key:
+                    if key is not None:
+                        yield key, files
+                    if name_key in seen:
+                        counts["skipped_duplicate_key"] += 1
+                    key, files = name_key, {}
+                    seen.add(name_key)
+                reader = tar.extractfile(member)
+                files[ext] = reader.read() if reader else b""
+    except (tarfile.TarError, EOFError, OSError) as err:
+        counts["tar_errors"] += 1
+        log.warning("input tar is damaged; sample %s and those after it are lost: %s", key, err)
+        key = None  # the sample being read may be incomplete
+    if key is not None:
+        yield key, files
+
+
+class _Prefetcher:
+    """Makes input ``i`` local: posix_fadvise(WILLNEED) on the next files, a download for s3:// objects."""
+
+    def __init__(self, tars: list[TarInput], ahead: int, tmp_dir: str | None):
+        self.tars, self.ahead, self.tmp_dir = tars, ahead, tmp_dir
+        self.s3 = any(t.path.startswith("s3://") for t in tars)
+        self.pool = ThreadPoolExecutor(max(1, ahead), thread_name_prefix="prefetch") if self.s3 else None
+        self.jobs: dict[int, Future] = {}
+
+    def local_path(self, i: int) -> str:
+        for j in range(i, min(i + self.ahead + 1, len(self.tars))):
+            self._start(j)
+        return self.jobs.pop(i).result() if self.s3 else self.tars[i].path
+
+    def _start(self, j: int) -> None:
+        tar = self.tars[j]
+        if self.s3:
+            if j not in self.jobs:
+                self.jobs[j] = self.pool.submit(_download, tar.path, os.path.join(self.tmp_dir, f"{j}-{tar.name}"))
+        elif hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                fd = os.open(tar.path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    def done(self, i: int, local: str) -> None:
+        if self.s3:
+            with contextlib.suppress(OSError):
+                os.unlink(local)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def _download(url: str, dest: str) -> str:
+    from stages.s3_inputs import download
+
+    download(url, dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------------ pipeline
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q: queue.Queue, stop: threading.Event):
+    while True:
+        try:
+            item = q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                raise RuntimeError("encode pipeline stopped") from None
+            continue
+        if isinstance(item, _Failed):
+            raise item.err
+        return item
+
+
+def _thread(target: Callable, out: queue.Queue, stop: threading.Event, name: str) -> threading.Thread:
+    def body():
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 — handed to the consumer, which re-raises it
+            _put(out, _Failed(err), stop)
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def encode_shards(
+    tars: list[TarInput], vae, tokenizer, opts: Options, stats: Counter | None = None, tmp_dir: str | None = None
+) -> Iterator[EncodedShard]:
+    """Encode ``tars`` in order, one :class:`EncodedShard` per tar; ``stats`` gets seconds spent per stage.
+
+    ``stats["encode_seconds"]`` is the VAE's busy time on this thread, ``stats["wait_seconds"]`` the
+    time it waited for a batch (≈ 0 when decode keeps up).
+    """
+    stats = Counter() if stats is None else stats
+    stop = threading.Event()
+    depth = max(2 * opts.batch_size, 4 * opts.decode_workers)
+    decoded: queue.Queue = queue.Queue(maxsize=depth)
+    batches: queue.Queue = queue.Queue(maxsize=2)
+    pool = ThreadPoolExecutor(opts.decode_workers, thread_name_prefix="decode")
+    prefetch = _Prefetcher(tars, opts.prefetch_shards, tmp_dir)
+    device = torch.device(opts.device)
+
+    def read() -> None:
+        for i, tar in enumerate(tars):
+            local = prefetch.local_path(i)
+            counts, digest = Counter(), hashlib.sha256()
+            with open(local, "rb") as raw:
+                fh = _HashingReader(raw, digest)
+                for key, files in iter_tar_groups(fh, counts):
+                    job = pool.submit(decode_sample, key, files, opts.resolution, opts.wrong_size)
+                    if not _put(decoded, job, stop):
+                        return
+                fh.drain()
+            prefetch.done(i, local)
+            if not _put(decoded, _TarEnd(tar, digest.hexdigest(), counts), stop):
+                return
+
+    def batch() -> None:
+        pending: list[Decoded] = []
+        skipped = Counter()
+        while True:
+            item = _get(decoded, stop)
+            if isinstance(item, _TarEnd):
+                if pending and not _put(batches, _make_batch(pending, tokenizer, device), stop):
+                    return
+                item.counts.update(skipped)
+                pending, skipped = [], Counter()
+                if not _put(batches, item, stop) or item.tar is tars[-1]:
+                    return
+                continue
+            sample: Decoded = item.result()
+            if sample.image is None:
+                skipped[f"skipped_{sample.problem}"] += 1
+                log.warning("sample %s skipped: %s", sample.key, sample.problem)
+                continue
+            pending.append(sample)
+            if len(pending) == opts.batch_size:
+                if not _put(batches, _make_batch(pending, tokenizer, device), stop):
+                    return
+                pending = []
+
+    if not tars:
+        return
+    threads = [_thread(read, decoded, stop, "encode-reader"), _thread(batch, batches, stop, "encode-batcher")]
+    encoder = _encoder(vae, opts, device)
+    try:
+        latents, ids, rows, counts = [], [], [], Counter()
+        while True:
+            t0 = time.perf_counter()
+            item = _get(batches, stop)
+            t1 = time.perf_counter()
+            stats["wait_seconds"] += t1 - t0
+            if isinstance(item, _Batch):
+                latents.append(encoder(item.images))
+                ids.append(item.input_ids)
+                rows += item.rows
+                stats["encode_seconds"] += time.perf_counter() - t1
+                stats["images"] += len(item.rows)
+                continue
+            counts = item.counts
+            for r in rows:
+                counts["resized"] += r["resized"]
+                counts["captions_truncated"] += r["truncated"]
+                counts["captions_empty"] += not r["caption"].strip()
+            yield EncodedShard(
+                item.tar,
+                item.sha256,
+                torch.cat(latents).cpu() if latents else None,
+                torch.cat(ids) if ids else None,
+                rows,
+                counts,
+            )
+            latents, ids, rows = [], [], []
+            if item.tar is tars[-1]:
+                return
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        for thread in threads:
+            thread.join()
+        prefetch.close()
+
+
+def _make_batch(samples: list[Decoded], tokenizer, device: torch.device) -> _Batch:
+    ids, truncated = tokenize(tokenizer, [s.caption for s in samples])
+    images = torch.from_numpy(np.stack([s.image for s in samples]))
+    if device.type == "cuda":
+        images = images.pin_memory()
+    rows = [
+        {
+            "key": s.key,
+            "caption": s.caption,
+            "width": s.width,
+            "height": s.height,
+            "original_width": s.original_width,
+            "original_height": s.original_height,
+            "resized": s.resized,
+            "truncated": t,
+        }
+        for s, t in zip(samples, truncated, strict=True)
+    ]
+    return _Batch(images, ids, rows)
+
+
+def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``uint8 [B, H, W, 3]`` → fp16 latents on ``device`` (posterior mean × scaling factor)."""
+    cuda = device.type == "cuda"
+    channels_last = opts.channels_last and cuda
+    vae = vae.to(device).eval().requires_grad_(False)
+    if channels_last:
+        vae = vae.to(memory_format=torch.channels_last)
+    if opts.compile:
+        vae.encoder = torch.compile(vae.encoder, dynamic=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and opts.bf16 else contextlib.nullcontext()
+
+    def encode(images: torch.Tensor) -> torch.Tensor:
+        n = images.shape[0]
+        if opts.compile and n < opts.batch_size:  # one static shape: no recompile for a tar's last batch
+            images = torch.cat([images, images.new_zeros((opts.batch_size - n, *images.shape[1:]))])
+        x = uint8_to_model_range(images.to(device, non_blocking=True), channels_last)
+        with torch.inference_mode(), autocast:
+            return encode_latents(vae, x)[:n].to(torch.float16)
+
+    return encode

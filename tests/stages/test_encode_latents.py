@@ -1,0 +1,326 @@
+"""encode_latents: latents equal a direct VAE encode; bad samples counted; output independent of the
+worker count; SIGKILL + rerun re-encodes only missing shards; disagreeing or stale shards are redone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import yaml
+from diffusers import AutoencoderKL
+from transformers import CLIPTokenizer
+
+from model.builders import build_tiny_vae
+from model.latents import images_to_tensor
+from stages import encode_latents
+from stages import latent_store as store
+from stages.config import Encode
+from stages.prepare_models import write_demo_tokenizer
+from stages.shards import tar_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+RES = 16  # VAE [8, 16] halves it: latents [4, 8, 8]
+WORDS = ["a", "red", "green", "blue", "circle", "square", "on", "white", "black", "background"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    vae = build_tiny_vae([8, 16], 1, 4, seed=0)
+    vae.register_to_config(scaling_factor=0.5)
+    vae.save_pretrained(root / "vae", safe_serialization=True)
+    write_demo_tokenizer(WORDS, root / "tokenizer", 77)
+    return root
+
+
+def jpeg(rng: np.random.Generator, h: int = RES, w: int = RES) -> bytes:
+    """A smooth random RGB image as JPEG bytes."""
+    small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(".jpg", cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR))
+    assert ok
+    return buf.tobytes()
+
+
+def caption(rng: np.random.Generator) -> str:
+    return f"a {rng.choice(['red', 'green', 'blue'])} {rng.choice(['circle', 'square'])} on a white background"
+
+
+def sample(key: str, rng: np.random.Generator, **override) -> dict:
+    s = {"__key__": key, "jpg": jpeg(rng), "txt": caption(rng), "json": json.dumps({"original_width": 64})}
+    s.update(override)
+    return {k: v for k, v in s.items() if v is not None}
+
+
+def write_tars(folder: Path, n_tars: int, per_tar: int, seed: int = 0) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for t in range(n_tars):
+        path = folder / f"{t:05d}.tar"
+        path.write_bytes(tar_bytes(sample(f"{t:05d}{i:04d}", rng) for i in range(per_tar)))
+        paths.append(path)
+    return paths
+
+
+def cfg(**kw) -> Encode:
+    return Encode(**{"batch_size": 4, "device": "cpu", "resolution": RES, "decode_workers": 2, **kw})
+
+
+def digest(root: Path) -> str:
+    from tests.stages.conftest import _tree_digest
+
+    return _tree_digest(root)
+
+
+def stamps(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.iterdir())}
+
+
+# --------------------------------------------------------------------------------- correctness
+
+
+def test_latents_equal_a_direct_vae_encode(models, tmp_path):
+    tars = write_tars(tmp_path / "shards", n_tars=2, per_tar=10)
+    m = encode_latents.run(cfg(), "laion", tmp_path / "shards", models, tmp_path / "out")
+    assert m["samples"] == 20 and m["shards"] == 2 and m["latent_shape"] == [4, RES // 2, RES // 2]
+    vae = AutoencoderKL.from_pretrained(models / "vae").eval()
+    tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
+    manifest = pl.read_parquet(tmp_path / "out" / store.MANIFEST)
+    assert manifest.columns == encode_latents.MANIFEST_SCHEMA.names
+    for shard, tar_path in enumerate(tars):
+        with tarfile.open(tar_path) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+        keys = sorted({name.split(".")[0] for name in files})
+        images = [
+            cv2.cvtColor(cv2.imdecode(np.frombuffer(files[f"{k}.jpg"], np.uint8), 1), cv2.COLOR_BGR2RGB) for k in keys
+        ]
+        with torch.no_grad():
+            direct = vae.encode(images_to_tensor(images)).latent_dist.mean * vae.config.scaling_factor
+        arrays = store.open_shard(tmp_path / "out" / store.shard_name(shard))
+        stored = torch.from_numpy(np.array(arrays.latents))
+        assert stored.dtype == torch.float16
+        torch.testing.assert_close(stored.float(), direct.half().float(), atol=1e-3, rtol=1e-3)
+        rows = manifest.filter(pl.col("shard") == shard)
+        assert rows["key"].to_list() == keys and rows["row"].to_list() == list(range(len(keys)))
+        captions = [files[f"{k}.txt"].decode() for k in keys]
+        assert rows["caption"].to_list() == captions
+        expected_ids = tokenizer(captions, padding="max_length", max_length=77, truncation=True).input_ids
+        assert np.array(arrays.input_ids).tolist() == expected_ids
+        assert arrays.metadata["scaling_factor"] == "0.5" and arrays.metadata["samples"] == str(len(keys))
+    assert manifest["original_width"].to_list() == [64] * 20 and manifest["width"].to_list() == [RES] * 20
+
+
+def test_bad_samples_are_counted_never_a_crash(models, tmp_path):
+    rng = np.random.default_rng(1)
+    long_caption = " ".join(["a red circle on a white background"] * 20)  # 120 words > 77 tokens
+    samples = [
+        sample("k0", rng),
+        sample("k1", rng, jpg=None),  # no image
+        sample("k2", rng, jpg=b"\xff\xd8 not a jpeg"),  # does not decode
+        sample("k3", rng, jpg=jpeg(rng, 24, 20)),  # wrong size: resized + centre-cropped
+        sample("k4", rng, txt=""),  # empty caption: kept
+        sample("k5", rng, txt=long_caption),  # truncated: kept
+        sample("k6", rng, json=b"{not json"),  # unreadable metadata: kept
+    ]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "00000.tar").write_bytes(tar_bytes(samples))
+    damaged = tar_bytes([sample(f"d{i}", rng) for i in range(4)])
+    (shards / "00001.tar").write_bytes(damaged[: len(damaged) // 2])  # cut inside a member
+    m = encode_latents.run(cfg(), "laion", shards, models, tmp_path / "out")
+    assert m["skipped_no_image"] == 1 and m["skipped_corrupt"] == 1 and m["tar_errors"] == 1
+    assert m["resized"] == 1 and m["captions_empty"] == 1 and m["captions_truncated"] == 1
+    manifest = pl.read_parquet(tmp_path / "out" / store.MANIFEST)
+    assert manifest.height == m["samples"] and manifest.filter(pl.col("shard") == 0).height == 5
+    k3 = manifest.filter(pl.col("key") == "k3").row(0, named=True)
+    assert (k3["width"], k3["height"], k3["resized"]) == (20, 24, True)
+    assert store.open_shard(tmp_path / "out" / store.shard_name(0)).latents.shape == (5, 4, RES // 2, RES // 2)
+
+    skip = encode_latents.run(cfg(wrong_size="skip"), "laion", shards, models, tmp_path / "skip")
+    assert skip["skipped_wrong_size"] == 1 and skip["resized"] == 0 and skip["samples"] == m["samples"] - 1
+
+
+def test_output_is_independent_of_workers_and_prefetch(models, tmp_path):
+    write_tars(tmp_path / "shards", n_tars=3, per_tar=11)
+    one = encode_latents.run(
+        cfg(decode_workers=1, prefetch_shards=0), "laion", tmp_path / "shards", models, tmp_path / "a"
+    )
+    three = encode_latents.run(
+        cfg(decode_workers=3, prefetch_shards=2), "laion", tmp_path / "shards", models, tmp_path / "b"
+    )
+    assert one["samples"] == three["samples"] == 33
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
+
+
+# -------------------------------------------------------------------------------------- resume
+
+
+@pytest.fixture(scope="module")
+def encoded(models, tmp_path_factory) -> tuple[Path, str]:
+    """Six input tars (``<root>/shards/laion``), their uninterrupted encoding in ``<root>/out`` and its digest."""
+    root = tmp_path_factory.mktemp("encoded")
+    write_tars(root / "shards" / "laion", n_tars=6, per_tar=24, seed=2)
+    encode_latents.run(cfg(), "laion", root / "shards" / "laion", models, root / "out")
+    return root / "shards" / "laion", digest(root / "out")
+
+
+def _workspace(root: Path, models: Path, shards: Path) -> Path:
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["paths"] = {k: str(root / k) for k in data["paths"]}
+    data["paths"].update(models=str(models), shards=str(shards.parent))
+    data["tracking"]["mlflow_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    data["encode"] = cfg().model_dump()
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _cli(params: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SDFORGE_LOG_LEVEL": "WARNING"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "stages.encode_latents", "--params", str(params), "--item", "laion"]
+    return subprocess.Popen(cmd, cwd=params.parent, env=env, start_new_session=True, **kw)
+
+
+def _complete(out: Path) -> set[int]:
+    done = set()
+    for part in out.glob(store.PART_PATTERN):
+        shard = int(part.name.split(".")[0].removeprefix("shard-"))
+        try:
+            store.check_shard(out, shard)
+            done.add(shard)
+        except ValueError:
+            pass
+    return done
+
+
+def test_sigkill_then_rerun_encodes_only_the_missing_shards(models, encoded, tmp_path):
+    shards, reference = encoded  # the same input files (same mtimes) as the reference run's
+    params = _workspace(tmp_path, models, shards)
+    out = tmp_path / "latents" / "laion"
+    proc = _cli(params)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not list(out.glob(store.PART_PATTERN)) and time.monotonic() < deadline:
+        time.sleep(0.005)  # poll for the first completed shard, then kill the whole process group
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
+    done = _complete(out)
+    assert 1 <= len(done) < 6, done
+    before = {name: v for name, v in stamps(out).items() if name.startswith("shard-")}
+    assert not (out / store.MANIFEST).exists()
+
+    rerun = _cli(params, stderr=subprocess.PIPE, text=True)
+    _, stderr = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics/encode_latents/laion.json").read_text())
+    assert metrics["shards_reused"] == len(done) and metrics["shards_encoded"] == 6 - len(done)
+    after = stamps(out)
+    for shard in done:
+        for name in (store.shard_name(shard), store.part_name(shard)):
+            assert after[name] == before[name], f"{name} was rewritten"
+    assert digest(out) == reference  # every shard, part and the manifest: as an uninterrupted run
+
+
+def test_disagreeing_shards_are_detected_and_redone(models, encoded, tmp_path):
+    shards, reference = encoded
+    out = tmp_path / "out"
+    shutil.copytree(shards.parents[1] / "out", out)
+    sf1 = out / store.shard_name(1)
+    sf1.write_bytes(sf1.read_bytes()[:-100])  # truncated array
+    table, meta = store.read_part(out / store.part_name(2))
+    store.write_part(out / store.part_name(2), table.slice(0, table.num_rows - 3), meta)  # rows deleted
+    (out / store.part_name(3)).unlink()  # killed between the safetensors and its part
+    other = store.open_shard(out / store.shard_name(5)).metadata
+    sf4 = out / store.shard_name(4)
+    arrays = store.open_shard(sf4)
+    store.write_shard(
+        sf4, torch.from_numpy(np.array(arrays.latents)), torch.from_numpy(np.array(arrays.input_ids)), other
+    )
+    (out / ".shard-00000.safetensors.abc.tmp").write_bytes(b"left by a kill")
+    (out / store.shard_name(9)).write_bytes(b"no input tar 00009.tar")
+    before = stamps(out)
+    for shard, why in [(1, "truncated"), (2, "rows but its metadata"), (3, "manifest part missing"), (4, "disagrees")]:
+        with pytest.raises(ValueError, match=why):
+            store.check_shard(out, shard)
+
+    m = encode_latents.run(cfg(), "laion", shards, models, out)
+    assert (m["shards_reused"], m["shards_encoded"]) == (2, 4)
+    after = stamps(out)
+    assert all(after[store.shard_name(s)] == before[store.shard_name(s)] for s in (0, 5))
+    assert digest(out) == reference
+
+
+def test_changed_inputs_or_encoder_are_redone(models, encoded, tmp_path):
+    inputs, reference = encoded
+    shards, out = tmp_path / "shards", tmp_path / "out"
+    shutil.copytree(inputs, shards)
+    shutil.copytree(inputs.parents[1] / "out", out)
+    os.utime(shards / "00000.tar", ns=(1, 1))  # new mtime, same bytes (e.g. a dvc checkout): kept
+    rng = np.random.default_rng(9)
+    (shards / "00001.tar").write_bytes(tar_bytes(sample(f"x{i}", rng) for i in range(5)))  # new content
+    (shards / "00005.tar").unlink()  # input gone: its shard is removed
+    m = encode_latents.run(cfg(), "laion", shards, models, out)
+    assert (m["shards"], m["shards_reused"], m["shards_encoded"], m["samples"]) == (5, 4, 1, 4 * 24 + 5)
+    assert not (out / store.shard_name(5)).exists() and not (out / store.part_name(5)).exists()
+
+    models2 = tmp_path / "models"
+    shutil.copytree(models, models2)
+    config = json.loads((models2 / "vae/config.json").read_text())
+    (models2 / "vae/config.json").write_text(json.dumps({**config, "scaling_factor": 1.0}))
+    m2 = encode_latents.run(cfg(), "laion", shards, models2, out)
+    assert m2["shards_reused"] == 0 and m2["shards_encoded"] == 5  # another VAE: nothing stale is reused
+    again = encode_latents.run(cfg(), "laion", inputs, models, tmp_path / "fresh")
+    assert again["shards_encoded"] == 6 and digest(tmp_path / "fresh") == reference
+
+
+def test_s3_input_equals_local_input(models, encoded, tmp_path, monkeypatch):
+    moto = pytest.importorskip("moto")
+    import boto3
+
+    from stages import s3_inputs
+
+    shards, _ = encoded
+    root = shards.parents[1]
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    s3_inputs._client.cache_clear()
+    try:
+        with moto.mock_aws():
+            s3 = boto3.client("s3")
+            s3.create_bucket(Bucket="bkt")
+            for tar in sorted(shards.glob("*.tar")):
+                s3.upload_file(str(tar), "bkt", f"shards/laion/{tar.name}")
+            m = encode_latents.run(cfg(prefetch_shards=2), "laion", "s3://bkt/shards/laion", models, tmp_path / "out")
+    finally:
+        s3_inputs._client.cache_clear()
+    assert m["shards"] == 6 and m["shards_encoded"] == 6
+    assert (tmp_path / "out" / store.MANIFEST).read_bytes() == (root / "out" / store.MANIFEST).read_bytes()
+    for shard in range(6):
+        a = store.open_shard(tmp_path / "out" / store.shard_name(shard))
+        b = store.open_shard(root / "out" / store.shard_name(shard))
+        assert np.array_equal(a.latents, b.latents) and np.array_equal(a.input_ids, b.input_ids)
+        assert a.metadata["input_sha256"] == b.metadata["input_sha256"]
+
+
+def test_no_tars_is_an_input_error(models, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .tar shards"):
+        encode_latents.run(cfg(), "laion", tmp_path / "empty", models, tmp_path / "out")
