@@ -7,6 +7,8 @@ Writes (each with ``save_pretrained``, safetensors)::
     ${paths.models}/text_encoder/   CLIPTextModel
     ${paths.models}/tokenizer/      CLIPTokenizer (77 tokens)
     ${paths.models}/scheduler/      DDPMScheduler (models.noise)
+    ${paths.models}/uncond_embedding.safetensors   "uncond": text encoder output for "" [1, 77, D]
+                                    (the CFG-dropout condition, computed once here for every phase)
     ${paths.checkpoints}/scratch/unet/       seeded UNet, output projections zeroed
     ${paths.checkpoints}/scratch/unet_ema/   the same weights (EMA starts at the live weights)
     ${paths.checkpoints}/scratch/state.json  {"phase": "scratch", "step": 0}
@@ -46,6 +48,7 @@ from model.builders import (
     unet_config,
     vae_downsample_factor,
 )
+from model.sampler import encode_prompts
 from model.vae_training import latent_scaling_factor, reconstruct, train_vae
 from stages.common import stage_cli, write_json
 from stages.config import SCRATCH, ConfigError, DemoData, Eval, Models, Tracking
@@ -54,6 +57,7 @@ from stages.demo_shapes import ShapeSpec, probe, random_spec, render
 log = logging.getLogger(__name__)
 
 VAE, TEXT_ENCODER, TOKENIZER, SCHEDULER = "vae", "text_encoder", "tokenizer", "scheduler"
+UNCOND_EMBEDDING = "uncond_embedding.safetensors"
 UNET, UNET_EMA, STATE = "unet", "unet_ema", "state.json"
 CAPTION_WORDS = ("a", "on", "background")
 VAE_EVAL_IMAGES = 128
@@ -228,6 +232,16 @@ def _load_pretrained_components(models: Models, out: Path) -> tuple[CLIPTokenize
     return tokenizer, text_encoder, AutoencoderKL.from_pretrained(models.vae)
 
 
+def save_uncond_embedding(tokenizer: CLIPTokenizer, text_encoder: CLIPTextModel, path: Path) -> torch.Tensor:
+    """Encode the empty prompt once (``[1, 77, D]`` fp32, on the CPU) and save it as ``{"uncond": ...}``."""
+    from safetensors.torch import save_file
+
+    with torch.no_grad():
+        uncond = encode_prompts(tokenizer, text_encoder, [""], "cpu").float().contiguous()
+    save_file({"uncond": uncond}, path)
+    return uncond
+
+
 def run(
     models: Models,
     demo: DemoData,
@@ -253,6 +267,7 @@ def run(
     vae.save_pretrained(out / VAE, safe_serialization=True)
     text_encoder.save_pretrained(out / TEXT_ENCODER, safe_serialization=True)
     noise_scheduler(models.noise.model_dump()).save_pretrained(out / SCHEDULER)
+    save_uncond_embedding(tokenizer, text_encoder, out / UNCOND_EMBEDDING)
 
     unet = build_unet(unet_config(models.unet.model_dump()), models.seed)
     unet.save_pretrained(scratch / UNET, safe_serialization=True)

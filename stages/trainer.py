@@ -76,7 +76,13 @@ class Trainer:
         self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
         self.text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder").to(dist.device).eval()
         self.text_encoder.requires_grad_(False)
-        self.uncond = encode_prompts(self.tokenizer, self.text_encoder, [""], dist.device)
+        uncond_file = models / "uncond_embedding.safetensors"  # written once by prepare_models
+        if uncond_file.is_file():
+            from safetensors.torch import load_file
+
+            self.uncond = load_file(uncond_file)["uncond"].to(dist.device)
+        else:
+            self.uncond = encode_prompts(self.tokenizer, self.text_encoder, [""], dist.device)
         init_dir = Path(paths.checkpoints) / self.phase.init_from
         weights = "live" if self.phase.init_from == SCRATCH else self.phase.init_weights
         self.unet = load_init_unet(init_dir, weights, params.models.unet.model_dump()).to(dist.device).train()

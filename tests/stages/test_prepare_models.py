@@ -61,7 +61,9 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
 def test_output_layout(built):
     root, metrics = built
     models, scratch = root / "models", root / "checkpoints/scratch"
-    assert sorted(p.name for p in models.iterdir()) == ["scheduler", "text_encoder", "tokenizer", "vae"]
+    assert sorted(p.name for p in models.iterdir()) == [
+        "scheduler", "text_encoder", "tokenizer", "uncond_embedding.safetensors", "vae"
+    ]
     assert sorted(p.name for p in (models / "vae").iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
     assert sorted(p.name for p in (models / "text_encoder").iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in (models / "tokenizer").iterdir()) == [
@@ -108,6 +110,38 @@ def test_saved_components_load_through_from_pretrained(built):
     assert sched.config.beta_schedule == "scaled_linear" and sched.config.clip_sample is False
     x = torch.randn(1, 4, 8, 8)
     assert unet(x, 5, encoder_hidden_states=hidden).sample.abs().max() == 0  # zero-initialised conv_out
+
+
+def test_uncond_embedding_is_the_empty_prompt_encoded_once(built):
+    from model.sampler import encode_prompts
+
+    models = built[0] / "models"
+    saved = load_file(models / prepare_models.UNCOND_EMBEDDING)
+    tok = CLIPTokenizer.from_pretrained(models / "tokenizer")
+    te = CLIPTextModel.from_pretrained(models / "text_encoder")
+    with torch.no_grad():
+        expected = encode_prompts(tok, te, [""], "cpu")
+    assert list(saved) == ["uncond"] and saved["uncond"].shape == (1, 77, TINY_TEXT["hidden_size"])
+    assert saved["uncond"].dtype == torch.float32 and torch.equal(saved["uncond"], expected)
+
+
+def test_trainer_reads_the_uncond_file_and_falls_back_without_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from stages.config import load_params
+    from stages.distributed import Dist
+    from stages.trainer import Trainer
+    from tests.stages.test_train import build_workspace
+
+    params = load_params(build_workspace(tmp_path))
+    path = Path(params.paths.models) / prepare_models.UNCOND_EMBEDDING
+    computed = load_file(path)["uncond"]
+    marker = torch.full_like(computed, 0.25)
+    save_file({"uncond": marker}, path)
+    dist = Dist(0, 1, 0, torch.device("cpu"))
+    assert torch.equal(Trainer(params, "phase1", dist).uncond, marker)
+    path.unlink()
+    assert torch.equal(Trainer(params, "phase1", dist).uncond, computed)  # encodes "" itself, as before
 
 
 def test_two_runs_give_identical_weights_and_replace_stale_outputs(built, tmp_path):
