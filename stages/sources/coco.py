@@ -138,7 +138,8 @@ def filter_coco(in_dir: Path, out_file: Path, options: CocoOptions, rules: Filte
             ):
                 drops.drop("too_small")
                 continue
-            tall = [h for h in heights.get(image_id, []) if h >= options.min_person_height * height]
+            # h / height, not h >= min × height: 0.55 × 50 is 27.500000000000004 in floating point
+            tall = [h for h in heights.get(image_id, []) if h / height >= options.min_person_height]
             if not tall:
                 drops.drop("no_person")
                 continue

@@ -155,11 +155,11 @@ def write_files(root: Path, files: dict[str, bytes | str]) -> None:
 
 
 def full_source(name: str, repo: Path, **changes: Any) -> Source:
-    """``configs/full/params.yaml``'s source ``name`` read from ``repo``, fetch at 32 px / small shards
+    """``configs/full/params.yaml``'s source ``name`` read from ``repo``, fetch at 32 px, small shards, one process
     and ``changes`` (option sections merged)."""
     data = yaml.safe_load((REPO / "configs" / "full" / "params.yaml").read_text())["sources"][name]
     data["repo"] = str(repo)
-    data["fetch"] = {**data.get("fetch", {}), "image_size": 32, "shard_size": 4}
+    data["fetch"] = {**data.get("fetch", {}), "image_size": 32, "shard_size": 4, "processes": 1}
     for key, value in changes.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return Source.model_validate(data)
