@@ -3,27 +3,27 @@
 Four stages run at once, joined by bounded queues (OpenCV, file reads, hashlib and torch release
 the GIL, so threads overlap)::
 
-    reader thread    streams each tar (sha256 on the fly), groups members by key and submits
-                     one decode job per sample, in order, to
+    reader thread    streams each tar (sha256 on the fly; the next ``prefetch_shards`` tars are
+                     read ahead or downloaded), groups members by key and submits one decode
+                     job per 8 samples, in order, to
     decode pool      ``decode_workers`` threads: imdecode, resize + centre crop, BGR→RGB
-    batcher thread   takes the jobs' results in submission order, tokenizes the captions,
-                     stacks ``batch_size`` images into a uint8 tensor (pinned on CUDA)
+    batcher thread   takes the jobs' results in submission order, tokenizes the captions
+                     (cached), stacks ``batch_size`` images into a uint8 tensor (pinned on CUDA)
     caller's thread  uploads, encodes (bf16 autocast + channels_last on CUDA), keeps fp16 latents;
                      yields one :class:`EncodedShard` per input tar
 
 Batches never span two tars and results are consumed in submission order, so the output does
 not depend on the number of workers, nor on which tars an interrupted run had finished.
+The input side (tar stream, decoding, tokenizing) is :mod:`stages.encode_inputs`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import queue
-import tarfile
 import threading
 import time
 from collections import Counter
@@ -31,16 +31,17 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import cv2
 import numpy as np
 import torch
 
 from model.latents import encode_latents, uint8_to_model_range
+from stages.encode_inputs import Decoded, HashingReader, Tokens, decode_chunk, iter_tar_groups
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _POLL_S = 0.1
+_CHUNK = 8
+"""Samples per decode job."""
 
 
 @dataclass(frozen=True)
@@ -68,21 +69,6 @@ class Options:
     bf16: bool = False
     channels_last: bool = False
     compile: bool = False
-
-
-@dataclass
-class Decoded:
-    """One sample after decoding; ``image`` is None when it was skipped (``problem`` says why)."""
-
-    key: str
-    caption: str
-    image: np.ndarray | None
-    width: int | None = None
-    height: int | None = None
-    original_width: int | None = None
-    original_height: int | None = None
-    resized: bool = False
-    problem: str | None = None
 
 
 @dataclass
@@ -116,128 +102,27 @@ class _Failed:
         self.err = err
 
 
-# ------------------------------------------------------------------------------------ decoding
-
-
-def resize_center_crop(img: np.ndarray, size: int) -> np.ndarray:
-    """Scale the shorter side to ``size`` (INTER_AREA down, INTER_CUBIC up), then crop the centre square."""
-    h, w = img.shape[:2]
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-    img = cv2.resize(img, (nw, nh), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC)
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return img[top : top + size, left : left + size]
-
-
-def decode_sample(key: str, files: dict[str, bytes], resolution: int, wrong_size: str = "resize") -> Decoded:
-    """Decode one WebDataset sample to RGB ``resolution``²; bad samples come back with a ``problem``."""
-    caption = files.get("txt", b"").decode("utf-8", errors="replace")
-    meta = _json(files.get("json"))
-    out = Decoded(
-        key, caption, None, original_width=meta.get("original_width"), original_height=meta.get("original_height")
-    )
-    data = next((files[e] for e in IMAGE_EXTS if e in files), None)
-    if data is None:
-        out.problem = "no_image"
-        return out
-    try:
-        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    except cv2.error:
-        bgr = None
-    if bgr is None or bgr.size == 0:
-        out.problem = "corrupt"
-        return out
-    out.height, out.width = bgr.shape[:2]
-    if bgr.shape[:2] != (resolution, resolution):
-        if wrong_size == "skip":
-            out.problem = "wrong_size"
-            return out
-        bgr, out.resized = resize_center_crop(bgr, resolution), True
-    out.image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
-    return out
-
-
-def _json(data: bytes | None) -> dict:
-    try:
-        meta = json.loads(data) if data else {}
-    except ValueError:
-        return {}
-    return {k: meta.get(k) if isinstance(meta.get(k), int) else None for k in ("original_width", "original_height")}
-
-
-def tokenize(tokenizer, captions: list[str]) -> tuple[torch.Tensor, list[bool]]:
-    """Token ids ``[B, max_len]`` (int32) and, per caption, whether it was truncated."""
-    full = tokenizer(captions, truncation=False).input_ids
-    ids = tokenizer(
-        captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    ).input_ids
-    return ids.to(torch.int32), [len(f) > tokenizer.model_max_length for f in full]
-
-
-# ------------------------------------------------------------------------------- input reading
-
-
-class _HashingReader:
-    """A read-only file wrapper that feeds every byte read into ``digest``."""
-
-    def __init__(self, fh, digest):
-        self.fh, self.digest = fh, digest
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.fh.read(n)
-        self.digest.update(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(1 << 20):
-            pass
-
-
-def iter_tar_groups(fh, counts: Counter) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Stream ``(key, {ext: bytes})`` from a WebDataset tar; a damaged tar ends early (counted)."""
-    key, files, seen = None, {}, set()
-    try:
-        with tarfile.open(fileobj=fh, mode="r|") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                name_key, _, ext = member.name.partition(".")
-                if name_key != key:
-                    if key is not None:
-                        yield key, files
-                    if name_key in seen:
-                        counts["skipped_duplicate_key"] += 1
-                    key, files = name_key, {}
-                    seen.add(name_key)
-                reader = tar.extractfile(member)
-                files[ext] = reader.read() if reader else b""
-    except (tarfile.TarError, EOFError, OSError) as err:
-        counts["tar_errors"] += 1
-        log.warning("input tar is damaged; sample %s and those after it are lost: %s", key, err)
-        key = None  # the sample being read may be incomplete
-    if key is not None:
-        yield key, files
-
-
 class _Prefetcher:
-    """Makes input ``i`` local: posix_fadvise(WILLNEED) on the next files, a download for s3:// objects."""
+    """Makes input ``i`` local: the next ``ahead`` files are fadvise(WILLNEED)d, s3:// objects downloaded."""
 
     def __init__(self, tars: list[TarInput], ahead: int, tmp_dir: str | None):
         self.tars, self.ahead, self.tmp_dir = tars, ahead, tmp_dir
         self.s3 = any(t.path.startswith("s3://") for t in tars)
         self.pool = ThreadPoolExecutor(max(1, ahead), thread_name_prefix="prefetch") if self.s3 else None
         self.jobs: dict[int, Future] = {}
+        self.started: set[int] = set()
 
     def local_path(self, i: int) -> str:
         for j in range(i, min(i + self.ahead + 1, len(self.tars))):
-            self._start(j)
+            if j not in self.started:
+                self.started.add(j)
+                self._start(j)
         return self.jobs.pop(i).result() if self.s3 else self.tars[i].path
 
     def _start(self, j: int) -> None:
         tar = self.tars[j]
         if self.s3:
-            if j not in self.jobs:
-                self.jobs[j] = self.pool.submit(_download, tar.path, os.path.join(self.tmp_dir, f"{j}-{tar.name}"))
+            self.jobs[j] = self.pool.submit(_download, tar.path, os.path.join(self.tmp_dir, f"{j}-{tar.name}"))
         elif hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):
                 fd = os.open(tar.path, os.O_RDONLY)
@@ -246,7 +131,7 @@ class _Prefetcher:
                 finally:
                     os.close(fd)
 
-    def done(self, i: int, local: str) -> None:
+    def done(self, local: str) -> None:
         if self.s3:
             with contextlib.suppress(OSError):
                 os.unlink(local)
@@ -311,26 +196,32 @@ def encode_shards(
     """
     stats = Counter() if stats is None else stats
     stop = threading.Event()
-    depth = max(2 * opts.batch_size, 4 * opts.decode_workers)
+    depth = max(2 * opts.batch_size // _CHUNK, 4 * opts.decode_workers)  # decode jobs in flight
     decoded: queue.Queue = queue.Queue(maxsize=depth)
     batches: queue.Queue = queue.Queue(maxsize=2)
     pool = ThreadPoolExecutor(opts.decode_workers, thread_name_prefix="decode")
     prefetch = _Prefetcher(tars, opts.prefetch_shards, tmp_dir)
     device = torch.device(opts.device)
+    tokens = Tokens(tokenizer)
 
     def read() -> None:
+        def submit(chunk: list) -> bool:
+            return not chunk or _put(decoded, pool.submit(decode_chunk, chunk, opts.resolution, opts.wrong_size), stop)
+
         for i, tar in enumerate(tars):
             local = prefetch.local_path(i)
-            counts, digest = Counter(), hashlib.sha256()
-            with open(local, "rb") as raw:
-                fh = _HashingReader(raw, digest)
-                for key, files in iter_tar_groups(fh, counts):
-                    job = pool.submit(decode_sample, key, files, opts.resolution, opts.wrong_size)
-                    if not _put(decoded, job, stop):
-                        return
+            counts, digest, chunk = Counter(), hashlib.sha256(), []
+            with open(local, "rb", buffering=1 << 20) as raw:
+                fh = HashingReader(raw, digest)
+                for sample in iter_tar_groups(fh, counts):
+                    chunk.append(sample)
+                    if len(chunk) == _CHUNK:
+                        if not submit(chunk):
+                            return
+                        chunk = []
                 fh.drain()
-            prefetch.done(i, local)
-            if not _put(decoded, _TarEnd(tar, digest.hexdigest(), counts), stop):
+            prefetch.done(local)
+            if not submit(chunk) or not _put(decoded, _TarEnd(tar, digest.hexdigest(), counts), stop):
                 return
 
     def batch() -> None:
@@ -339,23 +230,23 @@ def encode_shards(
         while True:
             item = _get(decoded, stop)
             if isinstance(item, _TarEnd):
-                if pending and not _put(batches, _make_batch(pending, tokenizer, device), stop):
+                if pending and not _put(batches, _make_batch(pending, tokens, device), stop):
                     return
                 item.counts.update(skipped)
                 pending, skipped = [], Counter()
                 if not _put(batches, item, stop) or item.tar is tars[-1]:
                     return
                 continue
-            sample: Decoded = item.result()
-            if sample.image is None:
-                skipped[f"skipped_{sample.problem}"] += 1
-                log.warning("sample %s skipped: %s", sample.key, sample.problem)
-                continue
-            pending.append(sample)
-            if len(pending) == opts.batch_size:
-                if not _put(batches, _make_batch(pending, tokenizer, device), stop):
-                    return
-                pending = []
+            for sample in item.result():
+                if sample.image is None:
+                    skipped[f"skipped_{sample.problem}"] += 1
+                    log.warning("sample %s skipped: %s", sample.key, sample.problem)
+                    continue
+                pending.append(sample)
+                if len(pending) == opts.batch_size:
+                    if not _put(batches, _make_batch(pending, tokens, device), stop):
+                        return
+                    pending = []
 
     if not tars:
         return
@@ -399,8 +290,8 @@ def encode_shards(
         prefetch.close()
 
 
-def _make_batch(samples: list[Decoded], tokenizer, device: torch.device) -> _Batch:
-    ids, truncated = tokenize(tokenizer, [s.caption for s in samples])
+def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device) -> _Batch:
+    ids, truncated = tokens([s.caption for s in samples])
     images = torch.from_numpy(np.stack([s.image for s in samples]))
     if device.type == "cuda":
         images = images.pin_memory()
