@@ -7,8 +7,10 @@ img2dataset's ``output_format="webdataset"`` writes, per shard ``NNNNN``:
 * ``NNNNN_stats.json`` with ``count``, ``successes``, ``failed_to_download``, ``failed_to_resize``.
 
 Keys are ``shard_id * 10**ceil(log10(shard_size)) + index`` zero-padded (``compute_key`` in
-img2dataset). This module writes the same layout for sources that are re-sharded locally, and
-rewrites img2dataset's output so that the same input gives the same bytes (DVC hashes it).
+img2dataset). This module writes the same layout for sources that are re-sharded locally,
+rewrites img2dataset's output so that the same input gives the same bytes (DVC hashes it; shard by
+shard, idempotently), tells finished shards from what a killed fetch left (:func:`discard_unfinished`)
+and sums the stats into metrics (:func:`summarize_stats`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
+import shutil
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,17 @@ TAR_MTIME = 0.0
 
 STATS_VOLATILE_KEYS = ("start_time", "end_time", "duration")
 """Keys of img2dataset's ``*_stats.json`` that differ run to run; dropped when canonicalising."""
+
+FILES_CANONICAL = "files_canonical"
+"""Set in a shard's stats once its tar and parquet are canonical but its stats not yet (img2dataset's
+progress logger, still running, needs their timings); dropped with them."""
+
+SHARD_FILE = re.compile(rf"(\d{{{SHARD_DIGITS}}})(?:\.tar|\.parquet|_stats\.json)")
+"""A shard's three files: ``NNNNN.tar``, ``NNNNN.parquet``, ``NNNNN_stats.json``."""
+
+IMG2DATASET_STATUSES = frozenset({"success", "failed_to_download", "failed_to_resize"})
+STATUS_NAME = re.compile(r"[a-z][a-z0-9_]*")
+"""A ``status_dict`` key that is a status (``unsafe_member``), not an error message (``HTTP Error 404: ...``)."""
 
 
 def shard_name(shard_id: int) -> str:
@@ -80,10 +95,20 @@ def iter_samples(folder: str | Path) -> Iterator[tuple[str, dict[str, bytes]]]:
             yield key, samples[key]
 
 
+def _write_if_changed(path: str | Path, data: bytes) -> None:
+    """Atomically write ``data`` unless ``path`` already holds exactly these bytes (canonical already)."""
+    path = Path(path)
+    if not (path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data):
+        atomic_write_bytes(path, data)
+
+
 def canonicalize_tar(path: str | Path) -> int:
-    """Rewrite a tar with its samples sorted by key and a fixed mtime; return its sample count."""
+    """Rewrite a tar with its samples sorted by key and a fixed mtime; return its sample count.
+
+    Idempotent: a tar that is canonical already is left untouched (not even rewritten).
+    """
     samples = read_tar(path)
-    atomic_write_bytes(path, tar_bytes({"__key__": k, **v} for k, v in samples.items()))
+    _write_if_changed(path, tar_bytes({"__key__": k, **v} for k, v in samples.items()))
     return len(samples)
 
 
@@ -99,13 +124,13 @@ def write_parquet_table(path: str | Path, table: pa.Table) -> None:
     """Atomically write ``table`` as parquet."""
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    atomic_write_bytes(path, buf.getvalue())
+    _write_if_changed(path, buf.getvalue())
 
 
 def canonicalize_stats(path: str | Path) -> dict[str, Any]:
     """Drop run-dependent timings from a ``*_stats.json`` and rewrite it with sorted keys; return it."""
     stats = json.loads(Path(path).read_text())
-    for key in STATS_VOLATILE_KEYS:
+    for key in (*STATS_VOLATILE_KEYS, FILES_CANONICAL):
         stats.pop(key, None)
     write_stats(path, stats)
     return stats
@@ -113,32 +138,138 @@ def canonicalize_stats(path: str | Path) -> dict[str, Any]:
 
 def write_stats(path: str | Path, stats: dict[str, Any]) -> None:
     """Write a shard's stats JSON (img2dataset's keys) deterministically."""
-    atomic_write_bytes(path, (json.dumps(stats, indent=4, sort_keys=True) + "\n").encode())
+    _write_if_changed(path, (json.dumps(stats, indent=4, sort_keys=True) + "\n").encode())
+
+
+def canonicalize_shard(folder: str | Path, shard_id: int, final: bool = True) -> None:
+    """Make one finished img2dataset shard deterministic: its tar, then its parquet, then its stats.
+
+    The stats go last, so a shard whose stats carry no timings is canonical as a whole. With
+    ``final=False`` (in a fetch worker, while img2dataset's logger may still read the stats) the
+    stats keep their timings and get :data:`FILES_CANONICAL` instead. Idempotent.
+    """
+    folder, name = Path(folder), shard_name(shard_id)
+    stats_path = folder / f"{name}_stats.json"
+    canonicalize_tar(folder / f"{name}.tar")
+    canonicalize_parquet(folder / f"{name}.parquet")
+    if final:
+        canonicalize_stats(stats_path)
+    else:
+        stats = json.loads(stats_path.read_text())
+        atomic_write_bytes(stats_path, json.dumps({**stats, FILES_CANONICAL: True}, indent=4).encode())
 
 
 def canonicalize_folder(folder: str | Path) -> None:
-    """Make an img2dataset webdataset output folder deterministic: tars, parquets and stats."""
+    """Make an img2dataset webdataset output folder deterministic: every finished shard not canonical yet.
+
+    A shard is finished when its ``*_stats.json`` parses, and canonical when those stats carry no
+    timings (:func:`canonicalize_shard` rewrites them last); canonical shards are not read again, and
+    shards marked :data:`FILES_CANONICAL` only get their stats rewritten.
+    """
     folder = Path(folder)
-    for tar_path in sorted(folder.glob("*.tar")):
-        canonicalize_tar(tar_path)
-    for parquet_path in sorted(folder.glob("*.parquet")):
-        canonicalize_parquet(parquet_path)
     for stats_path in sorted(folder.glob("*_stats.json")):
-        canonicalize_stats(stats_path)
+        match = SHARD_FILE.fullmatch(stats_path.name)
+        stats = read_stats(stats_path)
+        if not match or stats is None or not any(key in stats for key in STATS_VOLATILE_KEYS):
+            continue
+        if stats.get(FILES_CANONICAL):
+            canonicalize_stats(stats_path)
+        else:
+            canonicalize_shard(folder, int(match.group(1)))
 
 
-def summarize_stats(folder: str | Path) -> dict[str, Any]:
+def read_stats(path: str | Path) -> dict[str, Any] | None:
+    """A shard's ``*_stats.json``, or None when it is missing, truncated or not img2dataset's shape."""
+    try:
+        stats = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) and isinstance(stats.get("count"), int) else None
+
+
+def discard_unfinished(folder: str | Path, keep: Iterable[str] = ()) -> list[str]:
+    """Delete everything in ``folder`` but finished shards and the names in ``keep``; return what went.
+
+    A shard is finished when its ``NNNNN_stats.json`` parses (img2dataset writes it after closing the
+    shard's tar and parquet) and its tar and parquet are there. A killed fetch leaves the tar and
+    parquet of the shards in flight without stats (truncated), img2dataset's ``_tmp/`` and
+    ``atomic_write_bytes`` temporaries; all of them go, so that img2dataset's incremental mode (which
+    counts a shard done when a ``*.json`` of its number exists) redoes exactly the unfinished shards.
+    """
+    folder, keep = Path(folder), set(keep)
+    finished = {
+        match.group(1)
+        for path in folder.glob("*_stats.json")
+        if (match := SHARD_FILE.fullmatch(path.name)) and read_stats(path) is not None
+    }
+    finished = {s for s in finished if (folder / f"{s}.tar").is_file() and (folder / f"{s}.parquet").is_file()}
+    removed = []
+    for path in sorted(folder.iterdir()):
+        match = SHARD_FILE.fullmatch(path.name)
+        if path.name in keep or (match and match.group(1) in finished and path.is_file()):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path.name)
+    return removed
+
+
+def finished_shards(folder: str | Path) -> list[int]:
+    """Ids of the shards of ``folder`` whose ``*_stats.json`` parses, sorted."""
+    folder = Path(folder)
+    return sorted(
+        int(match.group(1))
+        for path in folder.glob("*_stats.json")
+        if (match := SHARD_FILE.fullmatch(path.name)) and read_stats(path) is not None
+    )
+
+
+def summarize_stats(
+    folder: str | Path,
+    classify: Callable[[str | None], str] | None = None,
+    reasons: Iterable[str] = (),
+) -> dict[str, Any]:
     """Sum every ``*_stats.json`` of ``folder`` into the fetch metrics.
 
     Keys: ``samples`` (rows tried), ``successes``, ``failed_to_download``, ``failed_to_resize``,
-    ``success_rate`` (successes / samples, 0 when nothing was tried) and ``shards`` (tar files).
+    ``success_rate`` (successes / samples, 0 when nothing was tried) and ``shards`` (tar files);
+    ``skipped_<status>`` for every other *status* found in a shard's ``status_dict`` (an identifier
+    such as ``unsafe_member``, ``too_large``, ``duplicate``; img2dataset's free-text error messages,
+    which it also keeps there, are not statuses). With ``classify`` (error message → reason), also
+    one count per reason over the failed rows of the shards' parquets, every key of ``reasons``
+    present (0 when none).
     """
     folder = Path(folder)
     totals = {"samples": 0, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0}
-    for stats_path in sorted(folder.glob("*_stats.json")):
+    skipped: dict[str, int] = {}
+    stats_paths = sorted(folder.glob("*_stats.json"))
+    for stats_path in stats_paths:
         stats = json.loads(stats_path.read_text())
         totals["samples"] += int(stats.get("count", 0))
         for key in ("successes", "failed_to_download", "failed_to_resize"):
             totals[key] += int(stats.get(key, 0))
+        for status, count in (stats.get("status_dict") or {}).items():
+            if STATUS_NAME.fullmatch(status) and status not in IMG2DATASET_STATUSES:
+                skipped[f"skipped_{status}"] = skipped.get(f"skipped_{status}", 0) + int(count)
     rate = totals["successes"] / totals["samples"] if totals["samples"] else 0.0
-    return {**totals, "success_rate": round(rate, 6), "shards": len(list(folder.glob("*.tar")))}
+    metrics: dict[str, Any] = {
+        **totals,
+        "success_rate": round(rate, 6),
+        "shards": len(list(folder.glob("*.tar"))),
+        **dict(sorted(skipped.items())),
+    }
+    if classify is not None:
+        counts = dict.fromkeys(reasons, 0)
+        for stats_path in stats_paths:
+            parquet = stats_path.with_name(stats_path.name.removesuffix("_stats.json") + ".parquet")
+            if not parquet.is_file():
+                continue
+            table = pq.read_table(parquet, columns=["status", "error_message"])
+            for status, message in zip(table["status"].to_pylist(), table["error_message"].to_pylist(), strict=True):
+                if status != "success":
+                    reason = classify(message)
+                    counts[reason] = counts.get(reason, 0) + 1
+        metrics.update(counts)
+    return metrics

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import collections
+import hashlib
+import io
 import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tarfile
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 import cv2
@@ -18,12 +24,15 @@ import numpy as np
 import polars as pl
 import pytest
 import webdataset as wds
+from PIL import Image
 
-from stages import fetch_images, shards
+from stages import fetch_images, shards, url_guard
 from stages.common import InputError
+from stages.config import FetchSettings, Source
 from stages.demo_http import serve_directory
 
 REPO = Path(__file__).resolve().parents[2]
+NO_FAILURES = dict.fromkeys(url_guard.REASONS, 0)
 
 
 def decode(jpeg: bytes) -> np.ndarray:
@@ -64,9 +73,11 @@ def test_laion_cli_fetches_good_rows_from_the_loopback_server(demo_params, run_u
         "failed_to_resize": 0,
         "success_rate": round(good / tried, 6),
         "shards": 2,
+        **NO_FAILURES,
+        "error_http": demo.missing_rows,
     }
     out = Path(demo_params.paths.shards) / "laion"
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir()) == [fetch_images.FINGERPRINT_FILE] + [
         f"0000{i}{ext}" for i in range(2) for ext in (".parquet", ".tar", "_stats.json")
     ]
     check_tar_layout(out)
@@ -99,6 +110,7 @@ def test_laion_without_server_warns_that_the_network_is_the_cause(demo_params, r
     tried = demo_params.demo.laion_rows + demo_params.demo.missing_rows
     assert (metrics["samples"], metrics["successes"], metrics["failed_to_download"]) == (tried, 0, tried)
     assert metrics["success_rate"] == 0.0
+    assert metrics["error_network"] == tried  # connection refused
     assert "DNS or network access is the likely cause" in caplog.text
 
 
@@ -140,3 +152,157 @@ def test_demo_http_serves_files_and_404s(tmp_path, free_port):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"{base}/images/missing.jpg", timeout=5)
         assert err.value.code == 404
+
+
+def test_summarize_stats_counts_other_statuses_as_skipped(tmp_path):
+    shards.write_stats(
+        tmp_path / "00000_stats.json",
+        {
+            "count": 9,
+            "successes": 3,
+            "failed_to_download": 1,
+            "failed_to_resize": 0,
+            "status_dict": {"success": 3, "unsafe_member": 1, "too_large": 2, "HTTP Error 404: File not found": 1},
+        },
+    )
+    shards.write_stats(
+        tmp_path / "00001_stats.json",
+        {"count": 2, "successes": 0, "failed_to_download": 0, "failed_to_resize": 0, "status_dict": {"duplicate": 2}},
+    )
+    assert shards.summarize_stats(tmp_path) == {
+        "samples": 11,
+        "successes": 3,
+        "failed_to_download": 1,
+        "failed_to_resize": 0,
+        "success_rate": round(3 / 11, 6),
+        "shards": 0,
+        "skipped_duplicate": 2,
+        "skipped_too_large": 2,
+        "skipped_unsafe_member": 1,
+    }
+
+
+def _png_bomb(width: int, height: int) -> bytes:
+    """A valid grayscale PNG of ``width`` × ``height`` zero pixels: ~1000× smaller than its pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z = zlib.compressobj(9)
+    row = b"\0" * (width + 1)
+    idat = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _encoded(mode: str, colour, fmt: str = "PNG", size=(24, 24)) -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, fmt)
+    return buf.getvalue()
+
+
+def _snapshot(root: Path, skip: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in root.rglob("*")
+        if skip not in p.parents and p != skip
+    }
+
+
+RGB_CASES = {  # served file -> (bytes, expected RGB of the output JPEG)
+    "good.jpg": (_encoded("RGB", (30, 60, 200), "JPEG"), (30, 60, 200)),
+    "gray.png": (_encoded("L", 100), (100, 100, 100)),
+    "gray16.png": (cv2.imencode(".png", np.full((24, 24), 30000, np.uint16))[1].tobytes(), (117, 117, 117)),
+    "cmyk.jpg": (_encoded("CMYK", (55, 225, 215, 0), "JPEG"), (200, 30, 40)),  # PIL's RGB(200, 30, 40).convert("CMYK")
+    "rgba.png": (_encoded("RGBA", (255, 0, 0, 128)), (255, 127, 127)),  # alpha-matted on white
+    "palette.png": (_encoded("P", 3), None),  # filled in below: the palette's colour 3
+    "rgb16.png": (
+        cv2.imencode(".png", np.full((24, 24, 3), [1000, 30000, 65535], np.uint16))[1].tobytes(),
+        (255, 117, 4),
+    ),
+}
+
+
+def test_hostile_inputs_are_counted_skips_and_write_nothing_outside_out_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    www = tmp_path / "www"
+    www.mkdir()
+    palette = Image.new("P", (24, 24), 3)
+    palette.putpalette([0, 0, 0] * 3 + [10, 200, 30] + [0, 0, 0] * 252)
+    buf = io.BytesIO()
+    palette.save(buf, "PNG")
+    cases = {**RGB_CASES, "palette.png": (buf.getvalue(), (10, 200, 30))}
+    for name, (data, _) in cases.items():
+        (www / name).write_bytes(data)
+    (www / "caption.jpg").write_bytes(_encoded("RGB", (0, 128, 0), "JPEG"))
+    good = cases["good.jpg"][0]
+    (www / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0" + bytes(range(256)) * 4)
+    (www / "truncated.jpg").write_bytes(_encoded("RGB", (5, 5, 5), "JPEG", (300, 300))[:400])
+    (www / "zero.jpg").write_bytes(b"")
+    (www / "bomb.png").write_bytes(_png_bomb(12_000, 8_000))  # 96 Mpx > the default max_image_pixels
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(good)  # a valid image: fetched, it would land in the shards
+    hits = collections.Counter()
+    long_caption = "very long caption " * 6000
+    redirects = {"/to-metadata": "http://169.254.169.254/latest/meta-data/", "/to-file": secret.as_uri()}
+    with serve_directory(www, 0, hits=hits, redirects=redirects, errors={"/boom": 500}) as base:
+        rows = [(f"{base}/{name}", name) for name in cases]
+        rows += [(f"{base}/caption.jpg?{i}", caption) for i, caption in enumerate([None, "", long_caption])]
+        rows += [(f"{base}/{name}", name) for name in ("corrupt.jpg", "truncated.jpg", "zero.jpg", "bomb.png")]
+        rows += [(f"{base}/missing.jpg", "404"), (f"{base}/boom", "500")]
+        rows += [(f"{base}/to-metadata", "redirect ssrf"), (f"{base}/to-file", "redirect file")]
+        rows += [
+            ("file:///etc/passwd", "file"),
+            (secret.as_uri(), "local image"),
+            ("ftp://127.0.0.1/x.jpg", "ftp"),
+            ("data:image/jpeg;base64," + base64.b64encode(good).decode(), "data"),
+            ("gopher://127.0.0.1:70/1", "gopher"),
+            ("www/good.jpg", "no scheme"),
+        ]
+        filtered = tmp_path / "filtered"
+        filtered.mkdir()
+        pl.DataFrame({"url": [u for u, _ in rows], "caption": [c for _, c in rows]}).write_parquet(
+            filtered / "filtered.parquet"
+        )
+        out = tmp_path / "shards"
+        before = _snapshot(tmp_path, out)
+        fetch = FetchSettings(image_size=16, processes=1, threads=4, timeout=5, allow_networks=["127.0.0.0/8"])
+        metrics = fetch_images.run(Source(kind="laion", repo="unused", fetch=fetch), "h", filtered, tmp_path, out)
+    assert _snapshot(tmp_path, out) == before  # nothing written (or changed) outside out_dir
+    successes = len(cases) + 3
+    assert metrics == {
+        "samples": len(rows),
+        "successes": successes,
+        "failed_to_download": len(rows) - successes - 4,
+        "failed_to_resize": 4,
+        "success_rate": round(successes / len(rows), 6),
+        "shards": 1,
+        **NO_FAILURES,
+        "refused_scheme": 7,
+        "refused_ssrf": 1,
+        "error_http": 2,
+        "error_decode": 3,
+        "error_too_many_pixels": 1,
+    }
+    assert hits["/to-metadata"] == hits["/to-file"] == hits["/bomb.png"] == 1
+    table = pl.read_parquet(out / "00000.parquet")
+    by_caption = {row["caption"]: row for row in table.to_dicts()}
+    assert "CV_IO_MAX_IMAGE_PIXELS" in by_caption["bomb.png"]["error_message"]  # refused from its header
+    assert by_caption["404"]["error_message"] == "HTTP Error 404: File not found"
+    assert by_caption["500"]["error_message"].startswith("HTTP Error 500")
+    for caption in ("file", "local image", "ftp", "data", "gopher", "no scheme", "redirect file"):
+        assert url_guard.REFUSED_SCHEME in by_caption[caption]["error_message"], caption
+        assert by_caption[caption]["status"] == "failed_to_download"
+    samples = dict(shards.iter_samples(out))
+    assert len(samples) == successes
+    for sample in samples.values():
+        assert good not in sample["jpg"] and b"root:" not in sample["jpg"] + sample["txt"]
+        assert decode(sample["jpg"]).shape[:2] == (16, 16)
+    by_name = {sample["txt"].decode(): sample for sample in samples.values()}
+    for name, (_, rgb) in cases.items():
+        bgr = cv2.imdecode(np.frombuffer(by_name[name]["jpg"], np.uint8), cv2.IMREAD_COLOR)
+        assert np.abs(bgr[8, 8].astype(int) - rgb[::-1]).max() <= 6, (name, bgr[8, 8], rgb)
+    captions = sorted(
+        s["txt"].decode() for s in samples.values() if json.loads(s["json"])["url"].endswith(("?0", "?1", "?2"))
+    )
+    assert captions == ["", "", long_caption]
