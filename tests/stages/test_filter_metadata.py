@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 from pathlib import Path
 
 import polars as pl
@@ -183,7 +185,7 @@ def test_a_missing_column_that_a_rule_needs_is_named(tmp_path):
         filter_rows(tmp_path, rows)
 
 
-def test_mlflow_gets_metrics_and_the_metrics_json(tmp_path):
+def test_mlflow_gets_metrics_the_metrics_json_and_the_histograms(tmp_path):
     import mlflow
 
     from stages.config import Tracking
@@ -203,3 +205,249 @@ def test_mlflow_gets_metrics_and_the_metrics_json(tmp_path):
     run_id = runs["run_id"][0]
     logged = mlflow.artifacts.load_dict(f"runs:/{run_id}/filter_metadata/laion.json")
     assert logged == metrics
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run_id, "filter_metadata")}
+    assert artifacts == {
+        f"filter_metadata/laion{suffix}" for suffix in (".json", "_histograms.json", "_histograms.png")
+    }
+    hist = mlflow.artifacts.load_dict(f"runs:/{run_id}/filter_metadata/laion_histograms.json")
+    assert [sum(hist["before"]["aesthetic"]), sum(hist["after"]["aesthetic"])] == [2, 1]
+    assert hist["after"]["aesthetic"][60] == 1 and hist["before"]["aesthetic"][10] == 1
+    png = mlflow.artifacts.download_artifacts(f"runs:/{run_id}/filter_metadata/laion_histograms.png", dst_path=tmp_path)
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- bad metadata values ------------------------------------------------------------------------------
+
+PERMISSIVE = FilterRules(
+    min_aesthetic=-5.0,
+    min_similarity=-1.0,
+    min_width=0,
+    min_height=0,
+    max_pwatermark=0.5,
+    max_punsafe=0.5,
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        ({"AESTHETIC_SCORE": -0.5}, "aesthetic"),
+        ({"AESTHETIC_SCORE": math.inf}, "aesthetic"),
+        ({"similarity": -0.1}, "similarity"),
+        ({"similarity": -math.inf}, "similarity"),
+        ({"WIDTH": -64}, "width"),
+        ({"HEIGHT": -1}, "height"),
+        ({"pwatermark": -0.1}, "pwatermark"),
+        ({"pwatermark": math.inf}, "pwatermark"),
+        ({"punsafe": -1e-9}, "punsafe"),
+    ],
+)
+def test_negative_and_infinite_values_fail_their_rule_even_below_a_negative_threshold(tmp_path, change, rule):
+    floats = {"WIDTH": float, "HEIGHT": float}
+    rows = [{k: floats.get(k, lambda v: v)(v) for k, v in r.items()} for r in laion_rows({}, change, {})]
+    metrics, kept = filter_rows(tmp_path, rows, PERMISSIVE)
+    assert metrics[f"dropped_{rule}"] == 1 and metrics["rows_out"] == 2
+    assert kept["url"].to_list() == ["http://example.com/0.jpg", "http://example.com/2.jpg"]
+
+
+def test_numbers_stored_as_text_are_parsed_and_non_numbers_fail_their_rule(tmp_path):
+    rows = laion_rows({}, {}, {}, {})
+    texts = {"WIDTH": ["64", "abc", " 64", "64.0"], "AESTHETIC_SCORE": ["6.0", "6.5", "7", "nan"]}
+    for column, values in texts.items():
+        for row, value in zip(rows, values, strict=True):
+            row[column] = value
+    metrics, kept = filter_rows(tmp_path, rows)
+    assert pl.read_parquet(tmp_path / "meta" / "part-0.parquet").schema["WIDTH"] == pl.String
+    assert (metrics["dropped_width"], metrics["dropped_aesthetic"], metrics["rows_out"]) == (2, 1, 1)
+    assert kept["url"].to_list() == ["http://example.com/0.jpg"]
+    assert kept["width"].dtype == pl.Int64 and kept["width"].to_list() == [64]
+    assert kept["aesthetic"].to_list() == [6.0]
+
+
+def test_files_with_different_column_types_are_filtered_together(tmp_path):
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    a = laion_rows({}, {"hash": 7})
+    b = [{**r, "URL": r["URL"] + "?b", "WIDTH": str(r["WIDTH"]), "hash": str(r["hash"])} for r in laion_rows({}, {})]
+    b[1]["hash"] = "7"  # the same hash as a[1], stored as text
+    pl.DataFrame(a).write_parquet(meta / "a.parquet")
+    pl.DataFrame(b).write_parquet(meta / "b.parquet")
+    source = Source(kind="laion", repo="unused", filter=RULES)
+    metrics = filter_metadata.run(source, "laion", meta, tmp_path / "out")
+    kept = pl.read_parquet(tmp_path / "out" / "filtered.parquet")
+    assert (metrics["files"], metrics["rows_in"], metrics["dropped_duplicate_hash"], metrics["rows_out"]) == (
+        2,
+        4,
+        2,
+        2,
+    )
+    assert kept["hash"].dtype == pl.String and kept["hash"].to_list() == ["1000", "7"]
+    assert kept["width"].to_list() == [64, 64]
+
+
+@pytest.mark.parametrize("damage", ["not_parquet", "truncated", "empty"])
+def test_an_unreadable_file_is_an_input_error_naming_it(tmp_path, damage):
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    pl.DataFrame(laion_rows({}, {})).write_parquet(meta / "a.parquet")
+    bad = meta / "b.parquet"
+    pl.DataFrame(laion_rows({}, {})).write_parquet(bad)
+    data = bad.read_bytes()
+    bad.write_bytes(
+        {"not_parquet": b"<html>rate limited</html>", "truncated": data[: len(data) // 2], "empty": b""}[damage]
+    )
+    source = Source(kind="laion", repo="unused", filter=RULES)
+    with pytest.raises(InputError, match=rf"{bad}: not a readable parquet file .*re-run download_metadata"):
+        filter_metadata.run(source, "laion", meta, tmp_path / "out")
+
+
+def test_corrupt_data_pages_are_an_input_error_naming_the_file(tmp_path):
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    bad = meta / "part-0.parquet"
+    pl.DataFrame(laion_rows(*[{}] * 2000)).write_parquet(bad, compression="snappy")
+    data = bytearray(bad.read_bytes())
+    for i in range(100, 300):  # inside the first column chunk; the footer stays intact
+        data[i] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    source = Source(kind="laion", repo="unused", filter=RULES)
+    with pytest.raises(InputError, match=rf"{bad}: corrupt parquet data"):
+        filter_metadata.run(source, "laion", meta, tmp_path / "out")
+
+
+def test_a_column_of_an_impossible_type_is_named_with_its_file(tmp_path):
+    rows = [{**r, "WIDTH": [r["WIDTH"]]} for r in laion_rows({}, {})]
+    with pytest.raises(InputError, match=r"part-0.parquet: column 'WIDTH' \(columns.width\) has type List"):
+        filter_rows(tmp_path, rows)
+
+
+def test_a_missing_column_names_the_file_it_is_missing_from(tmp_path):
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    pl.DataFrame(laion_rows({})).write_parquet(meta / "a.parquet")
+    pl.DataFrame(laion_rows({})).drop("similarity").write_parquet(meta / "b.parquet")
+    with pytest.raises(InputError, match=r"b.parquet: column 'similarity' \(columns.similarity\) not found"):
+        filter_metadata.run(Source(kind="laion", repo="unused", filter=RULES), "laion", meta, tmp_path / "out")
+
+
+def test_empty_null_and_very_long_captions_are_kept_as_they_are(tmp_path):
+    long = "a very long caption " * 5000
+    metrics, kept = filter_rows(tmp_path, laion_rows({"TEXT": ""}, {"TEXT": None}, {"TEXT": long}))
+    assert metrics["rows_out"] == 3
+    assert kept["caption"].to_list() == ["", None, long]
+
+
+def test_hidden_folders_are_not_read(tmp_path):
+    meta = tmp_path / "meta"
+    (meta / ".cache" / "huggingface").mkdir(parents=True)
+    pl.DataFrame(laion_rows({})).write_parquet(meta / "part-0.parquet")
+    (meta / ".cache" / "huggingface" / "part-0.parquet").write_bytes(b"not parquet")
+    metrics = filter_metadata.run(Source(kind="laion", repo="unused", filter=RULES), "laion", meta, tmp_path / "out")
+    assert (metrics["files"], metrics["rows_out"]) == (1, 1)
+
+
+# --- duplicate keys ---------------------------------------------------------------------------------
+
+
+def test_duplicate_keys_count_once_and_hash_dedup_sees_only_rows_url_dedup_kept(tmp_path):
+    rows = laion_rows(
+        {"URL": "http://a.com/1", "hash": 1, "TEXT": "first a"},
+        {"URL": "http://A.COM/1", "hash": 1, "TEXT": "url and hash repeat: counted under url"},
+        {"URL": "http://a.com/2", "hash": 2, "TEXT": "dropped by url dedup below"},
+        {"URL": "http://a.com/2", "hash": 3, "TEXT": "url repeat (its hash 3 is new)"},
+        {"URL": "http://a.com/3", "hash": 3, "TEXT": "hash 3 is new among the rows url dedup kept"},
+        {"URL": "http://a.com/4", "hash": 1, "TEXT": "hash repeat"},
+        {"URL": "   ", "hash": 4, "TEXT": "blank url"},
+        {"URL": "http://a.com/5", "hash": 2, "TEXT": "hash 2 repeats the kept row 2"},
+    )
+    metrics, kept = filter_rows(tmp_path, rows)
+    assert (metrics["dropped_duplicate_url"], metrics["dropped_duplicate_hash"], metrics["rows_out"]) == (3, 2, 3)
+    assert kept["caption"].to_list() == [
+        "first a",
+        "dropped by url dedup below",
+        "hash 3 is new among the rows url dedup kept",
+    ]
+
+
+def test_empty_text_hash_is_dropped_as_a_missing_key(tmp_path):
+    metrics, kept = filter_rows(tmp_path, laion_rows({"hash": "a"}, {"hash": ""}, {"hash": "b"}))
+    assert (metrics["dropped_duplicate_hash"], metrics["rows_out"]) == (1, 2)
+    assert kept["hash"].to_list() == ["a", "b"]
+
+
+def test_url_first_compares_both_hash_halves_when_the_first_collides():
+    keys = pl.DataFrame(
+        {
+            "_url_valid": [True, True, True, False, True, True],
+            "_url0": [5, 5, 5, 9, 9, 7],
+            "_url1": [1, 2, 1, 3, 3, 4],
+        },
+        schema_overrides={"_url0": pl.UInt64, "_url1": pl.UInt64},
+    )
+    # rows 0/1 collide on the first half only (both first); row 2 repeats row 0; row 3 is invalid,
+    # so row 4 is the first valid one of its key
+    assert filter_metadata.url_first(keys).to_list() == [True, True, False, False, True, True]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://Example.com/A.jpg",
+        "  HTTP://EXAMPLE.COM/A.jpg ",
+        "HTTPS://Ex.com?Q=A",
+        "ftp://HOST.COM#Frag",
+        "HTTP://",
+        "Example.com/A",
+        "1http://X.com/A",
+        "h t://X.com/A",
+        "http://HÉ.com/É",
+        "HTTP://X.COM/a\nB",
+        "HTTP://X\nY.COM/a",
+        "",
+        None,
+    ],
+)
+def test_url_normalisation_matches_the_regex_definition(url):
+    def reference(value):
+        if value is None:
+            return None
+        value = value.strip()
+        match = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/?#]*)(.*)", value)
+        return match.group(1).lower() + match.group(2) if match else value
+
+    lf = pl.LazyFrame({"url": [url]}, schema={"url": pl.String})
+    assert filter_metadata.with_normalized_url(lf, "url", "key").collect()["key"].to_list() == [reference(url)]
+
+
+# --- histograms, engine settings ----------------------------------------------------------------------
+
+
+def test_histograms_count_every_row_before_and_the_kept_rows_after(tmp_path):
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    rows = laion_rows(
+        {"AESTHETIC_SCORE": 6.05, "similarity": 0.3},
+        {"AESTHETIC_SCORE": 1.0, "similarity": 0.3},
+        {"AESTHETIC_SCORE": 12.0, "similarity": 0.3},  # above the range: the last bin
+        {"AESTHETIC_SCORE": None, "similarity": math.nan},  # in no bin
+        {"AESTHETIC_SCORE": 6.05, "similarity": 0.45, "URL": "http://example.com/0.jpg"},
+    )
+    pl.DataFrame(rows).write_parquet(meta / "p.parquet")
+    metrics, hist = filter_metadata.filter_laion(meta, tmp_path / "out.parquet", Columns(), RULES)
+    assert (metrics["rows_in"], metrics["rows_out"], metrics["dropped_duplicate_url"]) == (5, 2, 1)
+    nonzero = {name: {i: n for i, n in enumerate(counts) if n} for name, counts in hist.before.items()}
+    assert nonzero == {"aesthetic": {10: 1, 60: 2, 99: 1}, "similarity": {60: 3, 90: 1}}
+    nonzero = {name: {i: n for i, n in enumerate(counts) if n} for name, counts in hist.after.items()}
+    assert nonzero == {"aesthetic": {60: 1, 99: 1}, "similarity": {60: 2}}
+    assert all(len(counts) == 100 for counts in [*hist.before.values(), *hist.after.values()])
+
+
+def test_polars_env_is_set_for_the_block_only_and_a_user_setting_wins(monkeypatch):
+    monkeypatch.delenv("POLARS_ROW_GROUP_PREFETCH_SIZE", raising=False)
+    with filter_metadata._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
+        assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "2"
+    assert "POLARS_ROW_GROUP_PREFETCH_SIZE" not in os.environ
+    monkeypatch.setenv("POLARS_ROW_GROUP_PREFETCH_SIZE", "8")
+    with filter_metadata._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
+        assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
+    assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
