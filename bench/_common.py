@@ -43,10 +43,11 @@ def machine() -> str:
 
 @dataclass(frozen=True)
 class Measured:
-    """One child run: wall-clock seconds, peak resident set (MiB), exit status, captured stdout."""
+    """One child run: wall-clock seconds, peak resident set (MiB), CPU seconds (user + system), exit status, stdout."""
 
     wall_s: float
     peak_rss_mb: float
+    cpu_s: float
     returncode: int
     stdout: str
 
@@ -60,7 +61,15 @@ def run_measured(args: list[str], env: dict[str, str] | None = None, cwd: str | 
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
-    return Measured(wall, usage.ru_maxrss / 1024, proc.returncode, stdout)
+    return Measured(wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, proc.returncode, stdout)
+
+
+def load_average() -> str:
+    """``/proc/loadavg``'s 1/5/15-minute load averages (the machine may be shared)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def python_module(module: str, *args: str) -> list[str]:
