@@ -34,20 +34,38 @@ class TarDamaged(ValueError):
 
 
 class HashingReader:
-    """A read-only file wrapper that feeds every byte read into ``digest``."""
+    """A read-only buffered file wrapper that feeds every byte it reads into ``digest``.
 
-    def __init__(self, fh, digest):
-        self.fh, self.digest = fh, digest
+    The file is read (and hashed) in ``chunk``-sized blocks; ``read(n)`` serves slices of them, so
+    the many small reads of tar headers cost a slice, not a file read plus a hash update each.
+    """
 
-    def read(self, n: int = -1) -> bytes:
-        data = self.fh.read(n)
-        self.digest.update(data)
-        return data
+    def __init__(self, fh, digest, chunk: int = 1 << 20):
+        self.fh, self.digest, self.chunk = fh, digest, chunk
+        self.buf, self.pos = b"", 0
+
+    def read(self, n: int) -> bytes:
+        end = self.pos + n
+        if end <= len(self.buf):
+            out = self.buf[self.pos : end]
+            self.pos = end
+            return out
+        parts, have = [self.buf[self.pos :]], len(self.buf) - self.pos
+        while have < n:
+            block = self.fh.read(max(self.chunk, n - have))
+            if not block:
+                break
+            self.digest.update(block)
+            parts.append(block)
+            have += len(block)
+        self.buf, self.pos = b"".join(parts), min(n, have)
+        return self.buf[:n]
 
     def drain(self) -> None:
         """Read (and hash) the rest of the file."""
-        while self.read(1 << 20):
-            pass
+        self.buf, self.pos = b"", 0
+        while block := self.fh.read(self.chunk):
+            self.digest.update(block)
 
 
 def _octal(field: bytes) -> int:
@@ -83,11 +101,13 @@ def iter_tar_members(fh) -> Iterator[tuple[str, bytes]]:
             size = _octal(header[124:136])
         except ValueError:
             raise TarDamaged("unreadable header fields") from None
-        if checksum != sum(header[:148]) + 256 + sum(header[156:]):
+        if checksum != sum(header) - sum(header[148:156]) + 256:
             raise TarDamaged("bad header checksum")
-        data = fh.read(size)
-        if len(data) < size or len(fh.read(-size % _BLOCK)) < -size % _BLOCK:
+        padded = size + (-size % _BLOCK)
+        data = fh.read(padded)
+        if len(data) < padded:
             raise TarDamaged("the archive ends inside a member")
+        data = data[:size] if padded != size else data
         kind = header[156:157]
         if kind == b"L":  # GNU long name of the next member
             next_name = data.rstrip(b"\0").decode("utf-8", errors="replace")

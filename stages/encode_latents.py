@@ -27,6 +27,7 @@ import logging
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -243,13 +244,22 @@ def _encode(cfg, source, todo, models_dir, out_dir, device, precision, encoder, 
         channels_last=cfg.channels_last,
         compile=cfg.compile,
     )
-    parts = {}
+    parts, sf = {}, scaling_factor(vae)
+
+    def write(enc: EncodedShard) -> None:
+        _write(out_dir, enc, source, encoder, sf)
+        parts[enc.tar.shard] = store.read_part(out_dir / store.part_name(enc.tar.shard))
+        log.info("shard %d (%s): %d samples encoded", enc.tar.shard, enc.tar.name, len(enc.rows))
+
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="encode-inputs-") as tmp:
+    pending = None  # one shard is written (fsync included) while the next one is encoded
+    with tempfile.TemporaryDirectory(prefix="encode-inputs-") as tmp, ThreadPoolExecutor(1) as writer:
         for enc in encode_shards(todo, vae, tokenizer, opts, stats, tmp_dir=tmp):
-            table = _write(out_dir, enc, source, encoder, scaling_factor(vae))
-            parts[enc.tar.shard] = store.read_part(out_dir / store.part_name(enc.tar.shard))
-            log.info("shard %d (%s): %d samples encoded", enc.tar.shard, enc.tar.name, table.num_rows)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(write, enc)
+        if pending is not None:
+            pending.result()
     stats["pipeline_seconds"] = time.perf_counter() - t0
     return parts
 
