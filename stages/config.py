@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 SCRATCH = "scratch"
 """``init_from`` value of a phase that starts from the seeded random UNet."""
@@ -371,8 +371,9 @@ class Phase(Section):
     description: str = ""
     init_from: str = SCRATCH
     init_weights: Literal["ema", "live"] = "ema"
-    mix: dict[str, float]
-    """source name → fraction of the phase's samples (fractions sum to 1)."""
+    mix: dict[str, StrictInt | float]
+    """source name → fraction of the phase's samples (decimals summing to 1, e.g. ``0.6``) or a sample
+    count (integers, e.g. ``150000``; then ``samples`` must equal their sum). One mix uses one kind."""
     samples: int = Field(ge=1)
     """Samples in the phase's index (one epoch)."""
     with_replacement: bool = False
@@ -384,17 +385,41 @@ class Phase(Section):
     batch_size: int = Field(24, ge=1)
     grad_accum: int = Field(1, ge=1)
 
+    @property
+    def mix_is_counts(self) -> bool:
+        """True when ``mix`` gives sample counts rather than fractions."""
+        return all(isinstance(v, int) for v in self.mix.values())
+
     @field_validator("mix")
     @classmethod
-    def _fractions_sum_to_one(cls, mix: dict[str, float]) -> dict[str, float]:
+    def _fractions_or_counts(cls, mix: dict[str, int | float]) -> dict[str, int | float]:
         if not mix:
             raise ValueError("a phase needs at least one source in its mix")
+        kinds = {isinstance(v, int) for v in mix.values()}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"mix values must be all fractions (decimals such as 0.6) or all sample counts "
+                f"(integers such as 150000), not both; got {mix}"
+            )
+        if kinds == {True}:
+            if any(n < 1 for n in mix.values()):
+                raise ValueError(f"mix counts must be >= 1; got {mix}")
+            return mix
         if any(f <= 0 for f in mix.values()):
             raise ValueError(f"mix fractions must be > 0; got {mix}")
         total = sum(mix.values())
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"mix fractions must sum to 1; they sum to {total:.6g}: {mix}")
         return mix
+
+    @model_validator(mode="after")
+    def _counts_match_samples(self) -> Phase:
+        if self.mix_is_counts and sum(self.mix.values()) != self.samples:
+            raise ValueError(
+                f"mix: the counts sum to {sum(self.mix.values())} but samples is {self.samples}; make them "
+                f"agree (fractions are written with a decimal point, e.g. 1.0): {self.mix}"
+            )
+        return self
 
 
 class Eval(Section):

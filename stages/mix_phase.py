@@ -1,11 +1,14 @@
-"""Stage ``mix_phase@<phase>``: a phase's (source, fraction) mix → a seeded training index.
+"""Stage ``mix_phase@<phase>``: a phase's (source, fraction or count) mix → a seeded training index.
 
 Output ``${paths.mixes}/<phase>.parquet`` with columns ``source, shard, row, key`` pointing into
-the latent store — no copies, no symlinks. The same seed gives the same index on any machine.
+the latent store — no copies, no symlinks. The same seed gives the same index on any machine (its
+SHA-256, :func:`index_digest`, is logged to MLflow; a test pins one). A source too small for its
+share is an error unless the phase says ``with_replacement: true``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import zlib
@@ -16,6 +19,7 @@ import polars as pl
 
 from stages.common import InputError, atomic_write_bytes, stage_cli
 from stages.config import Params, Phase
+from stages.latent_store import MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -31,49 +35,90 @@ def split_counts(mix: dict[str, float], total: int) -> dict[str, int]:
     return counts
 
 
+def requested_counts(phase_name: str, phase: Phase) -> dict[str, int]:
+    """Samples asked of each source: the mix's counts, or its fractions of ``samples``; none may be 0."""
+    counts = dict(phase.mix) if phase.mix_is_counts else split_counts(phase.mix, phase.samples)
+    for source, n in counts.items():
+        if n == 0:
+            raise InputError(
+                f"phases.{phase_name}: source '{source}' at fraction {phase.mix[source]} gets 0 of "
+                f"{phase.samples} samples; raise phases.{phase_name}.samples or its fraction, or drop it from the mix"
+            )
+    return counts
+
+
 def phase_seed(seed: int, phase: str) -> int:
     """A per-phase seed that is stable across Python processes and machines."""
     return (seed * 1_000_003 + zlib.crc32(phase.encode())) % 2**32
 
 
 def build_index(phase_name: str, phase: Phase, manifests: dict[str, pl.DataFrame], seed: int) -> pl.DataFrame:
-    """Draw each source's share of the phase from its manifest; raise if a source is too small."""
+    """Draw each source's share of the phase from its manifest; raise if a source is too small.
+
+    Sources are drawn in name order from one ``numpy.random.default_rng`` (PCG64: the same stream on
+    every platform), ``count`` picks from each manifest's (shard, row)-sorted rows, without or with
+    replacement as the phase says; the concatenation is then shuffled once so sources interleave.
+    """
     rng = np.random.default_rng(phase_seed(seed, phase_name))
     parts = []
-    for source, count in sorted(split_counts(phase.mix, phase.samples).items()):
+    for source, count in sorted(requested_counts(phase_name, phase).items()):
         manifest = manifests[source].sort(["shard", "row"])
         available = manifest.height
+        if available == 0:
+            raise InputError(f"phases.{phase_name}: source '{source}' has no samples in its latent store")
         if count > available and not phase.with_replacement:
             raise InputError(
                 f"phases.{phase_name}: source '{source}' has {available} samples but the mix asks for "
                 f"{count}; lower phases.{phase_name}.samples or set phases.{phase_name}.with_replacement: true"
             )
-        if available == 0:
-            raise InputError(f"phases.{phase_name}: source '{source}' has no samples in its latent store")
         picks = rng.choice(available, size=count, replace=phase.with_replacement)
-        parts.append(manifest[picks.tolist()].select("source", "shard", "row", "key"))
+        parts.append(
+            manifest[picks].select(
+                pl.lit(source).alias("source"), pl.col("shard").cast(pl.Int64), pl.col("row").cast(pl.Int64), "key"
+            )
+        )
     index = pl.concat(parts)
-    order = rng.permutation(index.height)
-    return index[order.tolist()]
+    return index[rng.permutation(index.height)]
+
+
+def index_digest(index: pl.DataFrame) -> str:
+    """SHA-256 of the index's (source, shard, row, key) rows as text: equal digests, equal training order."""
+    digest = hashlib.sha256()
+    for source, shard, row, key in index.select("source", "shard", "row", "key").iter_rows():
+        digest.update(f"{source}\t{shard}\t{row}\t{key}\n".encode())
+    return digest.hexdigest()
+
+
+def read_manifest(latents_dir: Path, source: str) -> pl.DataFrame:
+    """``source``'s latent manifest, checked for the columns the index needs and unique (shard, row)."""
+    path = latents_dir / source / MANIFEST
+    if not path.is_file():
+        raise InputError(f"{path}: latent manifest missing for source '{source}' (run encode_latents@{source})")
+    manifest = pl.read_parquet(path)
+    missing = sorted({"key", "shard", "row"} - set(manifest.columns))
+    if missing:
+        raise InputError(f"{path}: manifest lacks column(s) {missing}; re-run encode_latents@{source}")
+    if manifest.select("shard", "row").is_duplicated().any():
+        raise InputError(f"{path}: manifest lists a (shard, row) twice; re-run encode_latents@{source}")
+    return manifest
 
 
 def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int) -> dict:
     """Write the phase index parquet; return requested vs obtained composition metrics."""
-    manifests = {}
-    for source in phase.mix:
-        path = latents_dir / source / "manifest.parquet"
-        if not path.is_file():
-            raise InputError(f"{path}: latent manifest missing for source '{source}' (run encode_latents@{source})")
-        manifests[source] = pl.read_parquet(path)
+    manifests = {source: read_manifest(latents_dir, source) for source in phase.mix}
     index = build_index(phase_name, phase, manifests, seed)
     buf = io.BytesIO()
     index.write_parquet(buf)
     atomic_write_bytes(out_path, buf.getvalue())
-    obtained = index.group_by("source").len().sort("source")
+    obtained = dict(index.group_by("source").len().iter_rows())
+    requested = requested_counts(phase_name, phase)
     metrics: dict = {"samples": index.height, "unique_samples": index.unique(["source", "key"]).height}
-    for source, n in obtained.iter_rows():
-        metrics[f"requested_fraction.{source}"] = phase.mix[source]
+    for source in sorted(phase.mix):
+        n = obtained.get(source, 0)
+        fraction = requested[source] / phase.samples if phase.mix_is_counts else phase.mix[source]
+        metrics[f"requested_fraction.{source}"] = round(fraction, 6)
         metrics[f"obtained_fraction.{source}"] = round(n / index.height, 6)
+        metrics[f"requested.{source}"] = requested[source]
         metrics[f"samples.{source}"] = n
         metrics[f"available.{source}"] = manifests[source].height
     return metrics
@@ -108,7 +153,9 @@ def _run_stage(params: Params, phase_name: str) -> dict:
     )
     from stages.tracking import stage_run
 
-    with stage_run(params.tracking, phase_name, "mix_phase", {"mix": phase.mix, "samples": phase.samples}) as mlflow:
+    digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))
+    logged = {"mix": phase.mix, "samples": phase.samples, "with_replacement": phase.with_replacement}
+    with stage_run(params.tracking, phase_name, "mix_phase", {**logged, "index_sha256": digest}) as mlflow:
         mlflow.log_metrics(metrics)
         mlflow.log_figure(_composition_figure(metrics), "mix_composition.png")
     return metrics

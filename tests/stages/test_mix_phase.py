@@ -2,15 +2,22 @@
 
 import polars as pl
 import pytest
+from pydantic import ValidationError
 
 from stages.common import InputError
 from stages.config import Phase
-from stages.mix_phase import build_index, run, split_counts
+from stages.mix_phase import build_index, index_digest, requested_counts, run, split_counts
 
 
 def _manifest(source, n):
-    return pl.DataFrame({"key": [f"{source}{i:04d}" for i in range(n)], "source": [source] * n,
-                         "shard": [i // 10 for i in range(n)], "row": [i % 10 for i in range(n)]})
+    return pl.DataFrame(
+        {
+            "key": [f"{source}{i:04d}" for i in range(n)],
+            "source": [source] * n,
+            "shard": [i // 10 for i in range(n)],
+            "row": [i % 10 for i in range(n)],
+        }
+    )
 
 
 def _phase(**kw):
@@ -56,3 +63,98 @@ def test_run_writes_parquet_and_metrics(tmp_path):
     assert idx.columns == ["source", "shard", "row", "key"]
     assert metrics["samples"] == 60 and metrics["samples.a"] == 22 and metrics["samples.b"] == 38
     assert metrics["requested_fraction.a"] == 0.37 and metrics["obtained_fraction.a"] == pytest.approx(22 / 60)
+
+
+def _golden_manifests():
+    """A fixed synthetic store: three sources of 1000/37/400 samples in shards of 128 rows."""
+    return {s: _manifest_sharded(s, n) for s, n in (("laion", 1000), ("coco", 37), ("vgg", 400))}
+
+
+def _manifest_sharded(source, n, shard_size=128):
+    return pl.DataFrame(
+        {
+            "key": [f"{source}-{i:05d}" for i in range(n)],
+            "source": [source] * n,
+            "shard": [i // shard_size for i in range(n)],
+            "row": [i % shard_size for i in range(n)],
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("with_replacement", "digest"),
+    [
+        (False, "c9fd4b58587425e8d5a12907007a2fb92b8226f6875704a2c194f2637e7b4e9d"),
+        (True, "6080d6b5277bba54728042a4d7a657cf8810f3b4a89f10f2dbe5a417ed41e0ff"),
+    ],
+)
+def test_golden_index_digest(with_replacement, digest):
+    """The index for a seed is pinned: a changed digest means a changed training order on some machine."""
+    phase = _phase(mix={"laion": 0.6, "coco": 0.1, "vgg": 0.3}, samples=300, with_replacement=with_replacement)
+    index = build_index("phase6", phase, _golden_manifests(), seed=0)
+    assert dict(index.group_by("source").len().iter_rows()) == {"laion": 180, "coco": 30, "vgg": 90}
+    assert index_digest(index) == digest
+
+
+def test_index_ignores_manifest_row_order():
+    manifests = _golden_manifests()
+    shuffled = {s: m.sample(fraction=1.0, shuffle=True, seed=1) for s, m in manifests.items()}
+    phase = _phase(mix={"laion": 0.6, "coco": 0.1, "vgg": 0.3}, samples=300)
+    assert build_index("p", phase, manifests, seed=4).equals(build_index("p", phase, shuffled, seed=4))
+
+
+def test_counts_mix_gives_exact_counts():
+    phase = _phase(mix={"laion": 150, "coco": 37, "vgg": 13}, samples=200)
+    index = build_index("p", phase, _golden_manifests(), seed=0)
+    assert dict(index.group_by("source").len().iter_rows()) == {"laion": 150, "coco": 37, "vgg": 13}
+    assert index.unique(["source", "shard", "row"]).height == 200
+    assert requested_counts("p", phase) == {"laion": 150, "coco": 37, "vgg": 13}
+
+
+@pytest.mark.parametrize(
+    ("mix", "samples", "message"),
+    [
+        ({"a": 10, "b": 20}, 31, "counts sum to 30 but samples is 31"),
+        ({"a": 1}, 480, "counts sum to 1 but samples is 480.*1.0"),
+        ({"a": 0.5, "b": 20}, 40, "all fractions .* or all sample counts"),
+        ({"a": 0, "b": 20}, 20, "counts must be >= 1"),
+    ],
+)
+def test_phase_mix_kinds_are_validated(mix, samples, message):
+    with pytest.raises(ValidationError, match=message):
+        _phase(mix=mix, samples=samples)
+
+
+def test_a_source_rounded_to_zero_samples_is_an_error():
+    with pytest.raises(InputError, match="source 'b' at fraction 0.001 gets 0 of 100 samples"):
+        requested_counts("p", _phase(mix={"a": 0.999, "b": 0.001}))
+
+
+def test_counts_beyond_a_source_need_replacement():
+    manifests = _golden_manifests()
+    with pytest.raises(InputError, match="source 'coco' has 37 samples but the mix asks for 50"):
+        build_index("p", _phase(mix={"laion": 50, "coco": 50}, samples=100), manifests, seed=0)
+    index = build_index("p", _phase(mix={"laion": 50, "coco": 50}, samples=100, with_replacement=True), manifests, 0)
+    coco = index.filter(pl.col("source") == "coco")
+    assert coco.height == 50 and coco["key"].n_unique() <= 37
+
+
+def test_manifest_checks(tmp_path):
+    (tmp_path / "lat" / "a").mkdir(parents=True)
+    with pytest.raises(InputError, match=r"a/manifest.parquet: latent manifest missing .*encode_latents@a"):
+        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0)
+    dup = pl.concat([_manifest("a", 20), _manifest("a", 20).head(1)])
+    dup.write_parquet(tmp_path / "lat" / "a" / "manifest.parquet")
+    with pytest.raises(InputError, match=r"manifest lists a \(shard, row\) twice"):
+        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0)
+
+
+def test_run_is_deterministic_on_disk(tmp_path):
+    for s, n in (("a", 50), ("b", 70)):
+        (tmp_path / "lat" / s).mkdir(parents=True)
+        _manifest(s, n).write_parquet(tmp_path / "lat" / s / "manifest.parquet")
+    digests = []
+    for name in ("x", "y"):
+        run("p", _phase(samples=60), tmp_path / "lat", tmp_path / name / "p.parquet", seed=3)
+        digests.append(index_digest(pl.read_parquet(tmp_path / name / "p.parquet")))
+    assert digests[0] == digests[1]
