@@ -1,16 +1,30 @@
 """Stage ``download_metadata@<source>``: a source's raw metadata / archives into ``paths.metadata/<source>/``.
 
 ``source.repo`` is either a local directory (the demo, tests, a pre-staged mirror) or a Hugging
-Face dataset repo id. Local: copy the files whose repo-relative path matches one of
-``source.allow_patterns`` (``fnmatch``, recursive, sorted). Hub: ``snapshot_download`` with the
-same patterns and ``source.revision``. Either way the output holds only the matched files
-(laion parquet shards, diffusiondb zips), at their repo-relative paths.
+Face dataset repo id. Either way the output holds only the files whose repo-relative path matches
+one of ``source.allow_patterns`` (``fnmatch``, recursive, sorted), at their repo-relative paths.
+
+* Local directory: the matching files are copied. Symlinks are never followed out of the source
+  directory: one whose target is outside it (or missing) is skipped and named in a warning
+  (metric ``skipped_symlinks``); one to a file inside it is copied as that file; symlinked
+  folders are not descended (their files are reached by their real path).
+* Hub: ``snapshot_download(cache_dir=...)`` into the hub cache (``source.cache_dir``, else env
+  ``HF_HUB_CACHE``, else the hub's default), then the snapshot's matching files are copied out.
+  The cache lives outside the output on purpose: DVC deletes a stage's outputs before it runs it
+  again, so progress kept there would be lost. A killed download resumes file by file: files that
+  completed are blobs in the cache and are not fetched again. (huggingface_hub 2.x writes each file
+  to a process-unique ``<etag>.<uuid>.incomplete`` and deletes it on error, so a file cut off by a
+  kill restarts from zero; within one process, dropped connections are resumed with HTTP ranges.)
+
+Every destination is checked to lie inside the output folder before anything is written.
+Metrics: ``files``, ``bytes``, ``skipped_symlinks``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -19,9 +33,6 @@ from stages.config import Source
 
 log = logging.getLogger(__name__)
 
-HUB_CACHE_DIR = ".cache"
-"""``snapshot_download(local_dir=...)`` keeps its bookkeeping here; not part of the output."""
-
 
 def is_local(repo: str) -> bool:
     """A local path rather than a hub id (``owner/name``): it exists, is absolute/relative-marked,
@@ -29,65 +40,120 @@ def is_local(repo: str) -> bool:
     return Path(repo).exists() or repo.startswith(("/", ".", "~")) or repo.count("/") != 1
 
 
-def matching_files(root: Path, patterns: list[str]) -> list[Path]:
-    """Files under ``root`` whose posix path relative to ``root`` matches any pattern, sorted."""
-    found = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if path.is_file() and any(fnmatch.fnmatch(rel, p) for p in patterns):
-            found.append(path)
-    return found
+def _inside(path: Path, root: Path) -> bool:
+    """``path`` (resolved) is ``root`` (resolved) or below it."""
+    return path.resolve().is_relative_to(root.resolve())
 
 
-def copy_local(repo_name: str, patterns: list[str], out_dir: Path) -> list[Path]:
-    """Copy the matching files of the local directory ``repo_name`` into ``out_dir``; return the copies."""
-    repo = Path(repo_name).expanduser()
-    if not repo.is_dir():
-        raise InputError(f"source repo {repo_name!r} is not a directory (and not a hub id 'owner/name')")
+def matching_files(root: Path, patterns: list[str], links_within: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """Files under ``root`` whose posix path relative to ``root`` matches a pattern, sorted; and the
+    symlinks skipped because they point outside ``links_within`` (default ``root``) or nowhere.
+
+    The walk never enters a symlinked folder (one pointing outside is counted as skipped whatever
+    the patterns); a matching symlink to a file inside ``links_within`` counts as a file (its
+    target's bytes are what get copied).
+    """
+    links_within = links_within or root
+    found, refused = [], []
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        dirs.sort()
+        for name in dirs:  # os.walk lists symlinked folders here and does not enter them
+            path = Path(folder) / name
+            if path.is_symlink() and not (_inside(path, links_within) and path.is_dir()):
+                refused.append(path)
+        for name in sorted(names):
+            path = Path(folder) / name
+            if not any(fnmatch.fnmatch(path.relative_to(root).as_posix(), p) for p in patterns):
+                continue
+            if path.is_symlink() and not (_inside(path, links_within) and path.is_file()):
+                refused.append(path)
+            elif path.is_file():
+                found.append(path)
+    return sorted(found), sorted(refused)
+
+
+def copy_files(root: Path, files: list[Path], out_dir: Path) -> list[Path]:
+    """Copy each of ``files`` (under ``root``) to the same relative path under ``out_dir``; return the copies."""
     copies = []
-    for src in matching_files(repo, patterns):
-        dst = out_dir / src.relative_to(repo)
+    for src in files:
+        dst = out_dir / src.relative_to(root)
+        if not _inside(dst, out_dir):
+            raise InputError(f"{src}: its destination {dst} would be outside {out_dir}; not copied")
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dst)
+        shutil.copyfile(src, dst)  # a symlink here is one to a file inside the allowed root
         copies.append(dst)
     return copies
 
 
-def download_hub(repo_id: str, revision: str | None, patterns: list[str], out_dir: Path) -> list[Path]:
-    """``snapshot_download`` a dataset repo's matching files into ``out_dir``; return them."""
+def _warn_refused(refused: list[Path], where: Path) -> None:
+    if refused:
+        shown = ", ".join(f"{p} -> {os.readlink(p)}" for p in refused[:20])
+        more = f" (and {len(refused) - 20} more)" if len(refused) > 20 else ""
+        log.warning("skipped %d symlink(s) pointing outside %s or nowhere: %s%s", len(refused), where, shown, more)
+
+
+def copy_local(repo_name: str, patterns: list[str], out_dir: Path) -> tuple[list[Path], int]:
+    """Copy the matching files of the local directory ``repo_name`` into ``out_dir``; return the copies
+    and the number of symlinks skipped."""
+    repo = Path(repo_name).expanduser()
+    if not repo.is_dir():
+        raise InputError(f"source repo {repo_name!r} is not a directory (and not a hub id 'owner/name')")
+    files, refused = matching_files(repo, patterns)
+    _warn_refused(refused, repo)
+    return copy_files(repo, files, out_dir), len(refused)
+
+
+def hub_cache_dir(source: Source) -> str | None:
+    """``source.cache_dir``, else env ``HF_HUB_CACHE``, else None (the hub's default cache)."""
+    return source.cache_dir or os.environ.get("HF_HUB_CACHE") or None
+
+
+def download_hub(
+    repo_id: str, revision: str | None, patterns: list[str], out_dir: Path, cache_dir: str | None
+) -> tuple[list[Path], int]:
+    """``snapshot_download`` a dataset repo's matching files into the hub cache, copy them to ``out_dir``."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        snapshot_download(
-            repo_id=repo_id,
-            repo_type="dataset",
-            revision=revision,
-            allow_patterns=patterns,
-            local_dir=out_dir,
+        snapshot = Path(
+            snapshot_download(
+                repo_id=repo_id,
+                repo_type="dataset",
+                revision=revision,
+                allow_patterns=patterns,
+                cache_dir=cache_dir,
+            )
         )
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise InputError(f"hub dataset {repo_id!r} (revision {revision!r}) not found: {err}") from None
-    shutil.rmtree(out_dir / HUB_CACHE_DIR, ignore_errors=True)
-    return matching_files(out_dir, patterns)
+        raise InputError(
+            f"hub dataset {repo_id!r} (revision {revision!r}) not found or not accessible "
+            f"(a gated or private repo needs HF_TOKEN): {err}"
+        ) from None
+    # <cache>/datasets--owner--name/snapshots/<commit>/<path> are symlinks to ../../blobs/<etag>
+    repo_cache = snapshot.parents[1]
+    files, refused = matching_files(snapshot, patterns, links_within=repo_cache)
+    _warn_refused(refused, repo_cache)
+    return copy_files(snapshot, files, out_dir), len(refused)
 
 
 def run(source: Source, out_dir: str | Path) -> dict[str, int]:
-    """Fill ``out_dir`` (emptied first) with the source's matching files; return ``files`` and ``bytes``."""
+    """Fill ``out_dir`` (emptied first) with the source's matching files; return the metrics."""
     out_dir = Path(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     if is_local(source.repo):
-        files = copy_local(source.repo, source.allow_patterns, out_dir)
+        files, skipped = copy_local(source.repo, source.allow_patterns, out_dir)
         where = "local directory"
     else:
-        files = download_hub(source.repo, source.revision, source.allow_patterns, out_dir)
+        cache_dir = hub_cache_dir(source)
+        files, skipped = download_hub(source.repo, source.revision, source.allow_patterns, out_dir, cache_dir)
         where = "hub dataset"
     if not files:
         raise InputError(f"{where} {source.repo!r} has no files matching allow_patterns {source.allow_patterns}")
     size = sum(f.stat().st_size for f in files)
     log.info("%d files (%d bytes) from %s %s into %s", len(files), size, where, source.repo, out_dir)
-    return {"files": len(files), "bytes": size}
+    return {"files": len(files), "bytes": size, "skipped_symlinks": skipped}
 
 
 def main(argv: list[str] | None = None) -> None:
