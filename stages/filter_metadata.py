@@ -66,6 +66,11 @@ HISTOGRAMS = {"aesthetic": (0.0, 10.0, 100), "similarity": (0.0, 0.5, 100)}
 """Histogram ranges ``(low, high, bins)``; values outside fall in the end bins, null/NaN in none."""
 # scheme://host (lower-cased by the URL normalisation); the rest is kept as is
 _URL_HEAD = r"^([A-Za-z][A-Za-z0-9+.\-]*://[^/?#]*)"
+# a URL whose scheme or host has an upper-case or non-ASCII letter (the only ones normalising changes)
+_URL_HEAD_NOT_LOWER = (
+    r"^(?:[A-Za-z][A-Za-z0-9+.\-]*://[^/?#]*(?:[A-Z]|[^\x00-\x7F])"
+    r"|(?:[A-Z]|[A-Za-z][A-Za-z0-9+.\-]*[A-Z])[A-Za-z0-9+.\-]*://)"
+)
 _URL_SEEDS = (0x5D_F0_12_6E, 0x2B_C7_9A_13)  # two independent 64-bit hashes of the URL key
 ROW_GROUP_PREFETCH = "2"
 """``POLARS_ROW_GROUP_PREFETCH_SIZE`` while this stage's queries run, unless set in the environment."""
@@ -268,26 +273,49 @@ def url_first(keys: pl.DataFrame) -> pl.Series:
     return keys.select(first.alias("_url_ok")).to_series()
 
 
+def _url_key_columns() -> list[pl.Expr]:
+    """``_url0``/``_url1`` (128-bit hash), ``_url_valid``, and ``_url_redo``: the text of a URL that
+    normalising changes (scheme or host with an upper-case or non-ASCII letter), null for the others.
+
+    The hashes are of the URL as it is; :func:`_fix_url_keys` re-hashes the few ``_url_redo`` rows
+    normalised (the regex ``extract`` is most of the cost of normalising, so it runs on those only).
+    """
+    url = pl.col("url").str.strip_chars()
+    return [
+        *(url.hash(seed).alias(f"_url{i}") for i, seed in enumerate(_URL_SEEDS)),
+        (url != "").fill_null(False).alias("_url_valid"),
+        pl.when(url.str.contains(_URL_HEAD_NOT_LOWER)).then(url).alias("_url_redo"),
+    ]
+
+
+def _fix_url_keys(keys: pl.DataFrame) -> pl.DataFrame:
+    """Replace the hashes of the ``_url_redo`` rows by those of their normalised URL; drop ``_url_redo``."""
+    redo = keys.lazy().with_row_index("_i").filter(pl.col("_url_redo").is_not_null())
+    redo = with_normalized_url(redo, "_url_redo", "_url").select(
+        "_i", *(pl.col("_url").hash(seed).alias(f"_url{i}") for i, seed in enumerate(_URL_SEEDS))
+    )
+    redo = redo.collect()
+    fixed = [keys[f"_url{i}"].scatter(redo["_i"], redo[f"_url{i}"]) for i in range(len(_URL_SEEDS))]
+    return keys.with_columns(fixed).drop("_url_redo")
+
+
 def dedup_mask(kept: pl.LazyFrame, rules: FilterRules) -> pl.DataFrame:
     """Over the rows the quality rules kept (columns ``url, hash, aesthetic, similarity``): ``_url_ok``
     (first of its normalised URL), ``_keep`` (and first of its hash) and the histogram bins.
 
-    Only fixed-width columns are collected (a 128-bit hash of the URL key, the hash, the bins):
-    O(kept rows × ~40 bytes).
+    Fixed-width columns only (a 128-bit hash of the URL key, the hash, the bins) plus the text of the
+    few URLs that normalising changes: O(kept rows × ~40 bytes).
     """
     hash_valid = pl.col("hash").is_not_null()
     if kept.collect_schema()["hash"] == pl.String:
         hash_valid = hash_valid & (pl.col("hash") != "").fill_null(False)
-    keys = with_normalized_url(kept, "url", "_url").select(
-        *(pl.col("_url").hash(seed).alias(f"_url{i}") for i, seed in enumerate(_URL_SEEDS)),
-        (pl.col("_url") != "").fill_null(False).alias("_url_valid"),
-        "hash",
-        hash_valid.alias("_hash_valid"),
-        *(_bin(name).alias(f"_{name}_bin") for name in HISTOGRAMS),
-    )
-    keys = keys.collect(engine="streaming")
-    url_ok = url_first(keys) if rules.dedup_url else pl.Series("_url_ok", [True] * keys.height)
-    keys = keys.with_columns(url_ok.alias("_url_ok"))
+    columns = ["hash", hash_valid.alias("_hash_valid"), *(_bin(n).alias(f"_{n}_bin") for n in HISTOGRAMS)]
+    keys = kept.select(*columns, *(_url_key_columns() if rules.dedup_url else [])).collect(engine="streaming")
+    if rules.dedup_url:
+        keys = _fix_url_keys(keys)
+        keys = keys.with_columns(url_first(keys).alias("_url_ok"))
+    else:
+        keys = keys.with_columns(pl.lit(True).alias("_url_ok"))
     keep = pl.col("_url_ok")
     if rules.dedup_hash:
         keep = _first_of_key(keep & pl.col("_hash_valid"), pl.col("hash"))

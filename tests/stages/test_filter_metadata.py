@@ -451,3 +451,37 @@ def test_polars_env_is_set_for_the_block_only_and_a_user_setting_wins(monkeypatc
     with filter_metadata._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
         assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
     assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
+
+
+def test_urls_the_cheap_check_skips_are_exactly_those_normalising_leaves_alone():
+    import random
+
+    rng = random.Random(7)
+    alphabet = ["a", "Z", "é", "Ä", "/", "?", "#", ":", ".", "-", "+", "1", " ", "\n", "h", "t", "p", "s"]
+    urls = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14))) for _ in range(3000)]
+    urls += [
+        f"{scheme}://{host}{rest}"
+        for scheme in ("http", "HTTP", "hTtp", "h1+.-", "1http")
+        for host in ("example.com", "Example.com", "ÉXAMPLE.com", "exämple.com", "")
+        for rest in ("", "/A", "?Q", "#F", "/a\nB")
+    ]
+    df = pl.DataFrame({"url": urls}).with_columns(pl.col("url").str.strip_chars())
+    out = filter_metadata.with_normalized_url(df.lazy(), "url", "key").with_columns(
+        pl.col("url").str.contains(filter_metadata._URL_HEAD_NOT_LOWER).alias("checked")
+    )
+    out = out.collect()
+    changed = out.filter(pl.col("key") != pl.col("url"))
+    assert changed.height > 40 and changed["checked"].all()  # every URL that normalising changes is checked
+    assert out.filter(~pl.col("checked"))["key"].equals(out.filter(~pl.col("checked"))["url"])
+
+
+def test_a_url_with_an_upper_case_host_repeats_its_lower_case_twin_in_either_order(tmp_path):
+    rows = laion_rows(
+        {"URL": "http://example.com/p.jpg", "TEXT": "lower first"},
+        {"URL": "http://EXAMPLE.com/p.jpg", "TEXT": "upper repeat"},
+        {"URL": "HTTP://Other.com/q.jpg", "TEXT": "upper first"},
+        {"URL": "http://other.com/q.jpg", "TEXT": "lower repeat"},
+    )
+    metrics, kept = filter_rows(tmp_path, rows)
+    assert (metrics["dropped_duplicate_url"], metrics["rows_out"]) == (2, 2)
+    assert kept["caption"].to_list() == ["lower first", "upper first"]
