@@ -9,8 +9,10 @@ files of several row groups, and cached under ``data/bench/filter_metadata/`` (g
 Each implementation then runs in a fresh subprocess (peak RSS is its own, via ``wait4``), ours first:
 ``filter_metadata.run(...)`` with ``tracking=None``, and pandas (``read_parquet``, boolean masks,
 ``drop_duplicates(keep="first")`` on the normalised URL, then on ``hash``, ``to_parquet``). The row
-counts and the kept URL sets must be equal. Times are the work inside each child (imports and
-interpreter start-up excluded; both are printed). The last line is ``RESULT name=filter_metadata ...``.
+counts and the kept URLs (in order) must be equal. Times are the work inside each child (imports and
+interpreter start-up excluded; both are printed); the runs are interleaved ``--repeat`` times (3) and
+the fastest of each counts, since the machine may be shared (its load average is printed; CPU
+seconds are printed too). The last line is ``RESULT name=filter_metadata ...``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -301,11 +304,15 @@ def main(argv: list[str] | None = None) -> None:
     def cpu(impl: str) -> float:
         return min(m.cpu_s for _, m in runs[impl])
 
+    def median(impl: str) -> float:
+        return statistics.median(r["work_s"] for r, _ in runs[impl])
+
     ours_s, pandas_s = best("ours"), best("pandas")
     print(
         f"fastest of {args.repeat}: ours {ours_s:.2f} s ({cpu('ours'):.2f} s CPU), pandas {pandas_s:.2f} s "
-        f"({cpu('pandas'):.2f} s CPU); peak RSS ours {peak('ours'):,.0f} MiB, pandas {peak('pandas'):,.0f} MiB; "
-        f"load average after: {load_average()}",
+        f"({cpu('pandas'):.2f} s CPU); medians ours {median('ours'):.2f} s, pandas {median('pandas'):.2f} s "
+        f"(ratio {median('pandas') / median('ours'):.2f}); peak RSS ours {peak('ours'):,.0f} MiB, "
+        f"pandas {peak('pandas'):,.0f} MiB; load average after: {load_average()}",
         flush=True,
     )
     print(
