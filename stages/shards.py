@@ -18,16 +18,18 @@ from __future__ import annotations
 import io
 import json
 import math
+import mmap
+import os
 import re
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
 
 from stages.common import atomic_write_bytes
 
@@ -64,17 +66,97 @@ def sample_key(index: int, shard_size: int) -> tuple[int, str]:
     return shard_id, f"{shard_id * 10**oom_sample + offset:0{oom_sample + SHARD_DIGITS}d}"
 
 
+TAR_MODE, TAR_USER = 0o444, "bigdata"
+"""Member mode and owner: what ``webdataset.TarWriter`` writes (its defaults), so both give the same bytes."""
+
+
+def _sample_members(samples: Iterable[dict[str, Any]]) -> Iterator[tuple[str, bytes]]:
+    """``(KEY.ext, bytes)`` of ``samples`` sorted by key, extensions sorted (as ``TarWriter.write``)."""
+    for sample in sorted(samples, key=lambda s: s["__key__"]):
+        key = sample["__key__"]
+        for ext in sorted(sample):
+            if ext.startswith("_"):
+                continue
+            value = sample[ext]
+            yield f"{key}.{ext}", value.encode() if isinstance(value, str) else value
+
+
+def _tar_chunks(members: Iterable[tuple[str, bytes]]) -> Iterator[bytes]:
+    """The bytes of an uncompressed tar of ``members`` (in order) in pieces, exactly as
+    ``webdataset.TarWriter(mtime=TAR_MTIME)`` writes it: PAX headers, 512-byte blocks, a record-sized end."""
+    offset = 0
+    for name, data in members:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), TAR_MTIME, TAR_MODE
+        info.uname = info.gname = TAR_USER
+        header = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+        pad = -len(data) % tarfile.BLOCKSIZE
+        yield header
+        yield data
+        if pad:
+            yield b"\0" * pad
+        offset += len(header) + len(data) + pad
+    end = 2 * tarfile.BLOCKSIZE
+    yield b"\0" * (end + -(offset + end) % tarfile.RECORDSIZE)
+
+
 def tar_bytes(samples: Iterable[dict[str, Any]]) -> bytes:
     """A WebDataset tar of ``samples`` (``{"__key__": k, ext: bytes|str}``), sorted by key, fixed mtime."""
-    buf = io.BytesIO()
-    with wds.TarWriter(buf, encoder=False, mtime=TAR_MTIME) as writer:
-        for sample in sorted(samples, key=lambda s: s["__key__"]):
-            writer.write({k: v.encode() if isinstance(v, str) and k != "__key__" else v for k, v in sample.items()})
-    return buf.getvalue()
+    return b"".join(_tar_chunks(_sample_members(samples)))
 
 
-def read_tar(path: str | Path) -> dict[str, dict[str, bytes]]:
-    """All samples of a WebDataset tar: ``{key: {ext: bytes}}`` (ext without the dot)."""
+def _octal(field: bytes) -> int:
+    return int(field.rstrip(b"\0 ").strip() or b"0", 8)
+
+
+def _tar_index(buf: bytes | mmap.mmap) -> dict[str, dict[str, tuple[int, int]]] | None:
+    """``{key: {ext: (data offset, size)}}`` of the regular files of an uncompressed ustar/PAX tar.
+
+    The fast path (headers parsed here, data not touched); None for anything else (compressed, GNU
+    long names, links, a bad checksum, truncated), which :func:`_read_tar_slow` then handles.
+    """
+    index: dict[str, dict[str, tuple[int, int]]] = {}
+    pos, n, pax = 0, len(buf), {}
+    try:
+        while pos + tarfile.BLOCKSIZE <= n:
+            header = buf[pos : pos + tarfile.BLOCKSIZE]
+            if header == tarfile.NUL * tarfile.BLOCKSIZE:
+                return index
+            if _octal(header[148:156]) != sum(header[:148]) + 256 + sum(header[156:]) or header[124] & 0x80:
+                return None
+            size, kind, data_at = _octal(header[124:136]), header[156:157], pos + tarfile.BLOCKSIZE
+            pos = data_at + size + -size % tarfile.BLOCKSIZE
+            if data_at + size > n:
+                return None
+            if kind == b"x":
+                records, pax = bytes(buf[data_at : data_at + size]), {}
+                while records:
+                    length = int(records.split(b" ", 1)[0])
+                    field, _, value = records[: length - 1].partition(b" ")[2].partition(b"=")
+                    pax[field.decode()] = value.decode("utf-8", "surrogateescape")
+                    records = records[length:]
+                continue
+            if kind == b"5":
+                pax = {}
+                continue
+            if kind not in (b"0", b"\0"):
+                return None
+            name = header[:100].split(b"\0", 1)[0]
+            prefix = header[345:500].split(b"\0", 1)[0]
+            name = pax.get("path") or (prefix + b"/" + name if prefix else name).decode(
+                tarfile.ENCODING, "surrogateescape"
+            )
+            if "size" in pax:
+                return None  # a size beyond ustar's: rare enough for the slow path
+            pax = {}
+            key, _, ext = name.partition(".")
+            index.setdefault(key, {})[ext] = (data_at, size)
+    except ValueError:
+        return None
+    return None  # no end-of-archive blocks: truncated
+
+
+def _read_tar_slow(path: str | Path) -> dict[str, dict[str, bytes]]:
     samples: dict[str, dict[str, bytes]] = {}
     with tarfile.open(path) as tar:
         for member in tar:
@@ -85,6 +167,15 @@ def read_tar(path: str | Path) -> dict[str, dict[str, bytes]]:
             assert fh is not None
             samples.setdefault(key, {})[ext] = fh.read()
     return samples
+
+
+def read_tar(path: str | Path) -> dict[str, dict[str, bytes]]:
+    """All samples of a WebDataset tar: ``{key: {ext: bytes}}`` (ext without the dot)."""
+    raw = Path(path).read_bytes()
+    index = _tar_index(raw)
+    if index is None:
+        return _read_tar_slow(path)
+    return {key: {ext: raw[at : at + size] for ext, (at, size) in exts.items()} for key, exts in index.items()}
 
 
 def iter_samples(folder: str | Path) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -102,14 +193,54 @@ def _write_if_changed(path: str | Path, data: bytes) -> None:
         atomic_write_bytes(path, data)
 
 
+def _write_chunks_atomically(path: Path, chunks: Iterable[bytes]) -> None:
+    """Stream ``chunks`` to a temp file beside ``path``, fsync it, rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in chunks:
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def canonicalize_tar(path: str | Path) -> int:
     """Rewrite a tar with its samples sorted by key and a fixed mtime; return its sample count.
 
-    Idempotent: a tar that is canonical already is left untouched (not even rewritten).
+    Idempotent: a tar that is canonical already is left untouched (not even rewritten). The tar is
+    memory-mapped and the new one streamed, one member at a time: a 10,000-image shard does not
+    have to fit in memory (this runs in every fetch worker).
     """
-    samples = read_tar(path)
-    _write_if_changed(path, tar_bytes({"__key__": k, **v} for k, v in samples.items()))
-    return len(samples)
+    path = Path(path)
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise tarfile.ReadError(f"{path}: empty file, not a tar")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            index = _tar_index(mm)
+            if index is None:
+                samples = _read_tar_slow(path)
+                _write_if_changed(path, tar_bytes({"__key__": k, **v} for k, v in samples.items()))
+                return len(samples)
+            order = [
+                (f"{key}.{ext}", at, size) for key in sorted(index) for ext, (at, size) in sorted(index[key].items())
+            ]
+
+            def chunks() -> Iterator[bytes]:
+                return _tar_chunks((name, mm[at : at + size]) for name, at, size in order)
+
+            pos, same = 0, True
+            for chunk in chunks():
+                if mm[pos : pos + len(chunk)] != chunk:
+                    same = False
+                    break
+                pos += len(chunk)
+            if not (same and pos == len(mm)):
+                _write_chunks_atomically(path, chunks())
+    return len(index)
 
 
 def canonicalize_parquet(path: str | Path, sort_key: str = "key") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import gzip
 import hashlib
 import io
 import json
@@ -306,3 +307,54 @@ def test_hostile_inputs_are_counted_skips_and_write_nothing_outside_out_dir(tmp_
         s["txt"].decode() for s in samples.values() if json.loads(s["json"])["url"].endswith(("?0", "?1", "?2"))
     )
     assert captions == ["", "", long_caption]
+
+
+def _wds_tar(samples: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    with wds.TarWriter(buf, encoder=False, mtime=shards.TAR_MTIME) as writer:
+        for sample in samples:
+            writer.write({k: v.encode() if isinstance(v, str) and k != "__key__" else v for k, v in sample.items()})
+    return buf.getvalue()
+
+
+TAR_CASES = [
+    [],
+    [{"__key__": "a", "txt": "é" * 300, "jpg": b"x" * 512, "json": ""}],
+    [{"__key__": "k" * 150, "json": "{}", "jpg": b"\0" * 513}],  # a name past ustar's 100 bytes: PAX path
+    [{"__key__": f"{i:07d}", "jpg": bytes([i]) * (i * 37 % 1500), "txt": "c" * i, "json": "{}"} for i in range(40)],
+]
+
+
+@pytest.mark.parametrize("samples", TAR_CASES)
+def test_tar_bytes_and_read_tar_match_webdataset(samples, tmp_path):
+    """The fast writer and reader give webdataset's bytes and tarfile's samples."""
+    assert shards.tar_bytes(samples) == _wds_tar(sorted(samples, key=lambda s: s["__key__"]))
+    path = tmp_path / "x.tar"
+    path.write_bytes(_wds_tar(samples[::-1]))
+    assert shards._tar_index(path.read_bytes()) is not None  # the fast path
+    assert shards.read_tar(path) == shards._read_tar_slow(path)
+    assert shards.canonicalize_tar(path) == len(samples)
+    assert path.read_bytes() == shards.tar_bytes(samples)
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_read_tar_other_layouts_and_compression(tar_format, tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tar_format) as tar:
+        for name in ("d/" * 60 + "k1.jpg", "k2.txt", "k2.json"):  # a long name: ustar prefix, GNU 'L', PAX path
+            info = tarfile.TarInfo(name)
+            info.size = len(name)
+            tar.addfile(info, io.BytesIO(name.encode()))
+        folder = tarfile.TarInfo("somedir")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+    expected = {
+        "d/" * 60 + "k1": {"jpg": ("d/" * 60 + "k1.jpg").encode()},
+        "k2": {"txt": b"k2.txt", "json": b"k2.json"},
+    }
+    for path, data in ((tmp_path / "x.tar", buf.getvalue()), (tmp_path / "x.tar.gz", gzip.compress(buf.getvalue()))):
+        path.write_bytes(data)
+        assert shards.read_tar(path) == expected
+        assert shards.canonicalize_tar(path) == 2
+        assert shards.read_tar(path) == expected
+        assert path.read_bytes() == shards.tar_bytes({"__key__": k, **v} for k, v in expected.items())
