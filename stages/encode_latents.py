@@ -57,6 +57,8 @@ MANIFEST_SCHEMA = pa.schema(
         ("truncated", pa.bool_()),
     ]
 )
+ROW_FIELDS = ("key", "caption", "width", "height", "original_width", "original_height", "resized", "truncated")
+"""Manifest columns the pipeline fills per sample; the stage adds source, shard, row."""
 COUNT_KEYS = (
     "skipped_no_image",
     "skipped_corrupt",
@@ -141,11 +143,14 @@ def _clean(out_dir: Path, keep: set[int]) -> None:
                 path.unlink()
 
 
-def _write(out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_factor: float) -> pa.Table:
-    """Write one shard's safetensors, then its manifest part; return the part's rows."""
+def _write(
+    out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_factor: float
+) -> tuple[pa.Table, dict[str, str]]:
+    """Write one shard's safetensors, then its manifest part; return the part's rows and metadata."""
     n = len(enc.rows)
-    rows = [{**r, "source": source, "shard": enc.tar.shard, "row": i} for i, r in enumerate(enc.rows)]
-    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
+    columns = {name: [r[name] for r in enc.rows] for name in MANIFEST_SCHEMA.names if name in ROW_FIELDS}
+    columns.update(source=[source] * n, shard=[enc.tar.shard] * n, row=list(range(n)))
+    table = pa.Table.from_pydict({name: columns[name] for name in MANIFEST_SCHEMA.names}, schema=MANIFEST_SCHEMA)
     counts = {k: int(enc.counts.get(k, 0)) for k in COUNT_KEYS}
     meta = {
         "format": FORMAT,
@@ -166,7 +171,7 @@ def _write(out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_
     else:
         sf.unlink(missing_ok=True)
     store.write_part(part, table, meta)
-    return table
+    return table, meta
 
 
 def resolve_device(device: str) -> str:
@@ -247,8 +252,7 @@ def _encode(cfg, source, todo, models_dir, out_dir, device, precision, encoder, 
     parts, sf = {}, scaling_factor(vae)
 
     def write(enc: EncodedShard) -> None:
-        _write(out_dir, enc, source, encoder, sf)
-        parts[enc.tar.shard] = store.read_part(out_dir / store.part_name(enc.tar.shard))
+        parts[enc.tar.shard] = _write(out_dir, enc, source, encoder, sf)
         log.info("shard %d (%s): %d samples encoded", enc.tar.shard, enc.tar.name, len(enc.rows))
 
     t0 = time.perf_counter()
