@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from stages import filter_metadata
+from stages import filter_metadata, laion_dedup, laion_filter
 from stages.common import InputError
 from stages.config import Columns, FilterRules, Source
 
@@ -386,7 +386,7 @@ def test_url_first_compares_both_hash_halves_when_the_first_collides():
     )
     # rows 0/1 collide on the first half only (both first); row 2 repeats row 0; row 3 is invalid,
     # so row 4 is the first valid one of its key
-    assert filter_metadata.url_first(keys).to_list() == [True, True, False, False, True, True]
+    assert laion_dedup.url_first(keys).to_list() == [True, True, False, False, True, True]
 
 
 @pytest.mark.parametrize(
@@ -416,7 +416,7 @@ def test_url_normalisation_matches_the_regex_definition(url):
         return match.group(1).lower() + match.group(2) if match else value
 
     lf = pl.LazyFrame({"url": [url]}, schema={"url": pl.String})
-    assert filter_metadata.with_normalized_url(lf, "url", "key").collect()["key"].to_list() == [reference(url)]
+    assert laion_dedup.with_normalized_url(lf, "url", "key").collect()["key"].to_list() == [reference(url)]
 
 
 # --- histograms, engine settings ----------------------------------------------------------------------
@@ -433,7 +433,7 @@ def test_histograms_count_every_row_before_and_the_kept_rows_after(tmp_path):
         {"AESTHETIC_SCORE": 6.05, "similarity": 0.45, "URL": "http://example.com/0.jpg"},
     )
     pl.DataFrame(rows).write_parquet(meta / "p.parquet")
-    metrics, hist = filter_metadata.filter_laion(meta, tmp_path / "out.parquet", Columns(), RULES)
+    metrics, hist = laion_filter.filter_laion(meta, tmp_path / "out.parquet", Columns(), RULES)
     assert (metrics["rows_in"], metrics["rows_out"], metrics["dropped_duplicate_url"]) == (5, 2, 1)
     nonzero = {name: {i: n for i, n in enumerate(counts) if n} for name, counts in hist.before.items()}
     assert nonzero == {"aesthetic": {10: 1, 60: 2, 99: 1}, "similarity": {60: 3, 90: 1}}
@@ -444,11 +444,11 @@ def test_histograms_count_every_row_before_and_the_kept_rows_after(tmp_path):
 
 def test_polars_env_is_set_for_the_block_only_and_a_user_setting_wins(monkeypatch):
     monkeypatch.delenv("POLARS_ROW_GROUP_PREFETCH_SIZE", raising=False)
-    with filter_metadata._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
+    with laion_filter._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
         assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "2"
     assert "POLARS_ROW_GROUP_PREFETCH_SIZE" not in os.environ
     monkeypatch.setenv("POLARS_ROW_GROUP_PREFETCH_SIZE", "8")
-    with filter_metadata._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
+    with laion_filter._polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE="2"):
         assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
     assert os.environ["POLARS_ROW_GROUP_PREFETCH_SIZE"] == "8"
 
@@ -466,8 +466,8 @@ def test_urls_the_cheap_check_skips_are_exactly_those_normalising_leaves_alone()
         for rest in ("", "/A", "?Q", "#F", "/a\nB")
     ]
     df = pl.DataFrame({"url": urls}).with_columns(pl.col("url").str.strip_chars())
-    out = filter_metadata.with_normalized_url(df.lazy(), "url", "key").with_columns(
-        pl.col("url").str.contains(filter_metadata._URL_HEAD_NOT_LOWER).alias("checked")
+    out = laion_dedup.with_normalized_url(df.lazy(), "url", "key").with_columns(
+        pl.col("url").str.contains(laion_dedup._URL_HEAD_NOT_LOWER).alias("checked")
     )
     out = out.collect()
     changed = out.filter(pl.col("key") != pl.col("url"))

@@ -12,7 +12,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from stages import fetch_images, filter_metadata, reshard, shards, sources
+from stages import fetch_images, filter_metadata, image_convert, shards, sources
 from stages.config import Source
 from tests.stages.source_fixtures import BLUE, close_to, decode, image_bytes, statuses
 
@@ -201,7 +201,7 @@ def test_diffusiondb_reshard_counts_corrupt_missing_and_too_small(tmp_path):
 )
 def test_resize_modes(mode, shape):
     img = np.full((80, 40, 3), 200, np.uint8)
-    out = reshard.resize(img, 32, mode)
+    out = image_convert.resize(img, 32, mode)
     assert out.shape[:2] == shape
     if mode == "border":
         assert out[:, 0].max() == 0 and out[16, 16].min() == 200
