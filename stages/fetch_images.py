@@ -89,8 +89,21 @@ class FetchIncomplete(RuntimeError):
     """img2dataset returned with shards unfinished; a rerun fetches only those."""
 
 
-def fingerprint(filtered: Path, fetch: FetchSettings) -> str:
-    """The fingerprint text of fetching ``filtered`` with ``fetch``: its SHA-256 and :data:`OUTPUT_SETTINGS`."""
+def archive_listing(metadata_dir: Path) -> str:
+    """SHA-256 of the sorted (relative path, size) of every file under ``metadata_dir``.
+
+    The local kinds read their images from these files; downloads are immutable per name, so a
+    name or size change is what marks different inputs (mtimes change on every DVC checkout).
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for p in metadata_dir.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(metadata_dir).as_posix()}\0{path.stat().st_size}\n".encode())
+    return digest.hexdigest()
+
+
+def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = None) -> str:
+    """The fingerprint text of fetching ``filtered`` with ``fetch``: its SHA-256 and :data:`OUTPUT_SETTINGS`
+    (plus, for the local kinds, the :func:`archive_listing` of the files the images come from)."""
     digest = hashlib.sha256()
     with open(filtered, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -98,6 +111,8 @@ def fingerprint(filtered: Path, fetch: FetchSettings) -> str:
     settings = {key: getattr(fetch, key) for key in OUTPUT_SETTINGS}
     settings["allow_networks"] = sorted(settings["allow_networks"])
     doc = {"version": FINGERPRINT_VERSION, "filtered_sha256": digest.hexdigest(), "settings": settings}
+    if archives is not None:
+        doc["archives_sha256"] = archives
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
@@ -234,8 +249,8 @@ def run(
 ) -> dict[str, Any]:
     """Fetch source ``name``'s filtered rows into ``out_dir``; return metrics.
 
-    ``laion``: resumes in ``out_dir`` when its fingerprint matches, else empties it first; other
-    kinds always empty it. ``serve=(root, port)`` serves ``root`` on loopback while fetching (demo).
+    Resumes in ``out_dir`` when its fingerprint matches (finished shards kept), else empties it
+    first. ``serve=(root, port)`` serves ``root`` on loopback while fetching (demo).
     """
     if source.kind not in SUPPORTED_KINDS:
         raise InputError(
@@ -246,11 +261,8 @@ def run(
         raise InputError(f"{filtered} not found (run filter_metadata first)")
     fetch = source.fetch
     rows = pl.scan_parquet(filtered).select(pl.len()).collect().item()
-    if source.kind == "laion":
-        prepare_out_dir(out_dir, fingerprint(filtered, fetch))
-    else:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        out_dir.mkdir(parents=True)
+    archives = None if source.kind == "laion" else archive_listing(metadata_dir)
+    prepare_out_dir(out_dir, fingerprint(filtered, fetch, archives))
     if rows == 0:
         log.warning("%s: %s has no rows; nothing to fetch", name, filtered)
     elif source.kind == "laion":

@@ -233,3 +233,35 @@ def test_img2dataset_sigint_exit_0_becomes_an_interrupt():
     assert signal.getsignal(signal.SIGINT) is handler
     with pytest.raises(SystemExit), fetch_images._interrupts_stay_interrupts():
         sys.exit(3)
+
+
+def test_local_kind_resumes_finished_shards_and_restarts_when_the_archives_change(tmp_path, monkeypatch):
+    """fetch_images keeps a local kind's finished shards on rerun; a changed source file empties the folder."""
+    from stages import reshard
+    from tests.stages.source_fixtures import GREEN, RED, image_bytes, run_source, write_files
+
+    repo = tmp_path / "repo"
+    write_files(
+        repo, {f"{i}.jpg": image_bytes(40, 40, RED) for i in range(6)} | {f"{i}.txt": f"c{i}" for i in range(6)}
+    )
+    source = Source(kind="local", repo=str(repo), allow_patterns=["*"], fetch={"image_size": 32, "shard_size": 2})
+    _, first, out = run_source(source, "local", tmp_path / "work")
+    assert (first["samples"], first["shards"]) == (6, 3)
+    stats = sorted(out.glob("*_stats.json"))
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    stats[1].unlink()  # a shard the "kill" left unfinished
+
+    converted = []
+    real_convert = reshard.convert
+    monkeypatch.setattr(reshard, "convert", lambda *a, **k: converted.append(1) or real_convert(*a, **k))
+    meta, filtered = tmp_path / "work" / "metadata", tmp_path / "work" / "filtered"
+    again = fetch_images.run(source, "local", filtered, meta, out)
+    assert again == first
+    assert len(converted) == 2  # only the unfinished shard's two images
+    assert {p.name for p in out.iterdir()} == set(mtimes)
+    assert stats[0].stat().st_mtime_ns == mtimes[stats[0].name]
+
+    (meta / "5.jpg").write_bytes(image_bytes(48, 40, GREEN))  # same name, other file: not the same inputs
+    converted.clear()
+    fetch_images.run(source, "local", filtered, meta, out)
+    assert len(converted) == 6
