@@ -25,6 +25,8 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _FILE_TYPES = (b"0", b"\0", b"7")
+_IMREAD_RGB = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)
+"""Decode straight to RGB (OpenCV ≥ 4.10), else BGR + cvtColor."""
 
 
 class TarDamaged(ValueError):
@@ -69,7 +71,13 @@ class HashingReader:
             self.digest.update(block)
 
 
-def _octal(field: bytes) -> int:
+def _octal(field: bytes, digits: int) -> int:
+    """A numeric header field; ``digits`` octal digits then NUL/space is what writers emit (fast path)."""
+    if field[digits] in (0, 32):
+        try:
+            return int(field[:digits], 8)
+        except ValueError:
+            pass
     if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes ≥ 8 GiB
         return int.from_bytes(field[1:], "big")
     text = field.split(b"\0", 1)[0].strip()
@@ -98,8 +106,8 @@ def iter_tar_members(fh) -> Iterator[tuple[str, bytes]]:
         if len(header) < _BLOCK:
             raise TarDamaged("the archive ends inside a header")
         try:
-            checksum = _octal(header[148:156])
-            size = _octal(header[124:136])
+            checksum = _octal(header[148:156], 6)
+            size = _octal(header[124:136], 11)
         except ValueError:
             raise TarDamaged("unreadable header fields") from None
         # the checksum is the header's byte sum with its own field read as 8 spaces; adler32's low
@@ -203,19 +211,19 @@ def decode_sample(key: str, files: dict[str, bytes], resolution: int, wrong_size
         out.problem = "no_image"
         return out
     try:
-        bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), _IMREAD_RGB)
     except cv2.error:
-        bgr = None
-    if bgr is None or bgr.size == 0:
+        img = None
+    if img is None or img.size == 0:
         out.problem = "corrupt"
         return out
-    out.height, out.width = bgr.shape[:2]
-    if bgr.shape[:2] != (resolution, resolution):
+    out.height, out.width = img.shape[:2]
+    if img.shape[:2] != (resolution, resolution):
         if wrong_size == "skip":
             out.problem = "wrong_size"
             return out
-        bgr, out.resized = resize_center_crop(bgr, resolution), True
-    out.image = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+        img, out.resized = resize_center_crop(img, resolution), True
+    out.image = img if _IMREAD_RGB != cv2.IMREAD_COLOR else cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return out
 
 
@@ -254,6 +262,7 @@ class Tokens:
             for caption, ids in zip(new, tok(new, truncation=False).input_ids, strict=True):
                 cut = len(ids) > self.max_len
                 ids = [*ids[: self.max_len - 1], tok.eos_token_id] if cut else ids
-                self.cache[caption] = (ids + [tok.pad_token_id] * (self.max_len - len(ids)), cut)
+                row = np.array(ids + [tok.pad_token_id] * (self.max_len - len(ids)), dtype=np.int32)
+                self.cache[caption] = (row, cut)
         rows = [self.cache[c] for c in captions]
-        return torch.tensor([r[0] for r in rows], dtype=torch.int32), [r[1] for r in rows]
+        return torch.from_numpy(np.stack([r[0] for r in rows])), [r[1] for r in rows]
