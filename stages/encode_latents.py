@@ -4,7 +4,7 @@ Output ``${paths.latents}/<source>/`` (format in :mod:`stages.latent_store`), on
 input tar ``NNNNN.tar``:
 
 - ``shard-NNNNN.safetensors``: ``latents`` fp16 ``[N, C, h, w]`` (posterior mean × scaling factor),
-  ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size, stamp, sha256), the
+  ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size, sha256), the
   encoder fingerprint (VAE + tokenizer files, resolution, skip policy, precision), the sample count
   and the bad-sample counts;
 - ``shard-NNNNN.parquet``: that shard's manifest rows with the same metadata, written after it;
@@ -14,8 +14,9 @@ input tar ``NNNNN.tar``:
 
 Kill-safe: each file is written to a temp name and renamed. A rerun keeps a shard when both files
 exist and agree (:func:`stages.latent_store.check_shard`) and their metadata names the same input
-(size + mtime, else its sha256) and the same encoder; it re-encodes every other shard. The
-pipeline itself is :mod:`stages.encode_pipeline`.
+(name, size and sha256 — ETag for s3:// inputs) and the same encoder; it re-encodes every other
+shard. The outputs are a function of the inputs' bytes only (no mtimes, no timings), so DVC sees
+the same hashes run to run. The pipeline itself is :mod:`stages.encode_pipeline`.
 """
 
 from __future__ import annotations
@@ -76,15 +77,15 @@ def list_inputs(shard_dir: str | Path) -> list[TarInput]:
     if s3_inputs.is_s3(str(shard_dir)):
         found = s3_inputs.list_tars(str(shard_dir))
     else:
-        found = [(p.name, str(p), (st := p.stat()).st_size, str(st.st_mtime_ns)) for p in Path(shard_dir).glob("*.tar")]
+        found = [(p.name, str(p), p.stat().st_size, None) for p in Path(shard_dir).glob("*.tar")]
     if not found:
         raise InputError(f"{shard_dir}: no .tar shards found (did fetch_images run?)")
     found.sort()
     stems = [name.removesuffix(".tar") for name, *_ in found]
     numeric = all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems)
     return [
-        TarInput(int(stem) if numeric else i, name, path, size, stamp)
-        for i, (stem, (name, path, size, stamp)) in enumerate(zip(stems, found, strict=True))
+        TarInput(int(stem) if numeric else i, name, path, size, etag)
+        for i, (stem, (name, path, size, etag)) in enumerate(zip(stems, found, strict=True))
     ]
 
 
@@ -121,9 +122,7 @@ def _reusable(tar: TarInput, out_dir: Path, encoder: str) -> tuple[pa.Table, dic
         why = "encoded with another VAE, tokenizer or settings"
     elif meta.get("input") != tar.name or meta.get("input_size") != str(tar.size):
         why = f"its input was {meta.get('input')} of {meta.get('input_size')} bytes"
-    elif meta.get("input_stamp") == tar.stamp or (
-        not s3_inputs.is_s3(tar.path) and meta.get("input_sha256") == _sha256(tar.path)
-    ):
+    elif (meta.get("input_etag") == tar.etag) if tar.etag else (meta.get("input_sha256") == _sha256(tar.path)):
         return table, meta
     else:
         why = f"{tar.name} changed"
@@ -157,13 +156,14 @@ def _write(
         "source": source,
         "input": enc.tar.name,
         "input_size": str(enc.tar.size),
-        "input_stamp": enc.tar.stamp,
         "input_sha256": enc.sha256,
         "encoder": encoder,
         "scaling_factor": repr(scaling_factor),
         "samples": str(n),
         "counts": json.dumps(counts, sort_keys=True),
     }
+    if enc.tar.etag:
+        meta["input_etag"] = enc.tar.etag
     part, sf = out_dir / store.part_name(enc.tar.shard), out_dir / store.shard_name(enc.tar.shard)
     part.unlink(missing_ok=True)
     if n:
@@ -193,7 +193,9 @@ def run(cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_d
     encoder = encoder_fingerprint(models_dir, cfg, precision)
     out_dir.mkdir(parents=True, exist_ok=True)
     _clean(out_dir, {t.shard for t in tars})
-    parts = {t.shard: done for t in tars if (done := _reusable(t, out_dir, encoder)) is not None}
+    with ThreadPoolExecutor(4) as pool:  # hashing the inputs of finished shards: disk-bound, GIL released
+        checked = pool.map(lambda t: _reusable(t, out_dir, encoder), tars)
+        parts = {t.shard: done for t, done in zip(tars, checked, strict=True) if done is not None}
     todo = [t for t in tars if t.shard not in parts]
     log.info("%s: %d input tars, %d already encoded, %d to encode", shard_dir, len(tars), len(parts), len(todo))
     stats: Counter = Counter()

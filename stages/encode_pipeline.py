@@ -46,14 +46,14 @@ _CHUNK = 8
 
 @dataclass(frozen=True)
 class TarInput:
-    """One input tar: output shard number, name, where to read it, and its size/stamp when listed."""
+    """One input tar: output shard number, name, where to read it (local path or s3:// URL), size."""
 
     shard: int
     name: str
     path: str
     size: int
-    stamp: str
-    """Local: ``mtime_ns``; S3: the ETag."""
+    etag: str | None = None
+    """S3 only: the object's ETag (lets a rerun check a finished shard without downloading its input)."""
 
 
 @dataclass(frozen=True)
