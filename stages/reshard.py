@@ -28,9 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import tempfile
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -42,6 +40,7 @@ import webdataset as wds
 
 from stages import shards
 from stages.archive_members import MAX_BYTES_PER_PIXEL, MemberRejected, RandomReader, checked_file, stream_tar
+from stages.common import atomic_file
 from stages.config import FetchSettings
 from stages.image_convert import convert
 from stages.reshard_plan import Item, ShardPlan, load_rows, plan_shards
@@ -146,24 +145,16 @@ class ShardWriter:
 
 def _write_tar(path: Path, spill: Path, samples: dict[str, tuple[int, int, str]], records: dict) -> None:
     """The shard tar (samples sorted by key, fixed mtime) via a temp file and rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh, spill.open("rb") as src:
-            writer = wds.TarWriter(fh, encoder=False, mtime=shards.TAR_MTIME)
-            for key in sorted(samples):
-                offset, length, sample_json = samples[key]
-                src.seek(offset)
-                caption = records[key]["caption"] or ""
-                writer.write(
-                    {"__key__": key, "jpg": src.read(length), "txt": caption.encode(), "json": sample_json.encode()}
-                )
-            writer.close()
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as fh, spill.open("rb") as src:
+        writer = wds.TarWriter(fh, encoder=False, mtime=shards.TAR_MTIME)
+        for key in sorted(samples):
+            offset, length, sample_json = samples[key]
+            src.seek(offset)
+            caption = records[key]["caption"] or ""
+            writer.write(
+                {"__key__": key, "jpg": src.read(length), "txt": caption.encode(), "json": sample_json.encode()}
+            )
+        writer.close()
 
 
 # ---------------------------------------------------------------- tasks

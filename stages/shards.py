@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.common import atomic_write_bytes
+from stages.common import atomic_file, atomic_write_bytes
 
 SHARD_DIGITS = 5
 """img2dataset's ``oom_shard_count``: shard names are 5-digit (``00000.tar``)."""
@@ -195,17 +194,9 @@ def _write_if_changed(path: str | Path, data: bytes) -> None:
 
 def _write_chunks_atomically(path: Path, chunks: Iterable[bytes]) -> None:
     """Stream ``chunks`` to a temp file beside ``path``, fsync it, rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            for chunk in chunks:
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as fh:
+        for chunk in chunks:
+            fh.write(chunk)
 
 
 def canonicalize_tar(path: str | Path) -> int:

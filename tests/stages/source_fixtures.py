@@ -201,3 +201,14 @@ def status_totals(out: Path) -> dict[str, int]:
         for status, n in json.loads(path.read_text())["status_dict"].items():
             totals[status] = totals.get(status, 0) + n
     return totals
+
+
+def check_tar_layout(folder: Path) -> None:
+    """Every tar's members are sorted, have a fixed mtime and come as jpg/json/txt triples."""
+    for tar_path in sorted(folder.glob("*.tar")):
+        with tarfile.open(tar_path) as tar:
+            members = tar.getmembers()
+        names = [m.name for m in members]
+        assert names == sorted(names)
+        assert {m.mtime for m in members} <= {0}
+        assert [n.split(".", 1)[1] for n in names] == ["jpg", "json", "txt"] * (len(names) // 3)

@@ -31,6 +31,7 @@ from stages import fetch_images, shards, url_guard
 from stages.common import InputError
 from stages.config import FetchSettings, Source
 from stages.demo_http import serve_directory
+from tests.stages.source_fixtures import check_tar_layout
 
 REPO = Path(__file__).resolve().parents[2]
 NO_FAILURES = dict.fromkeys(url_guard.REASONS, 0)
@@ -39,17 +40,6 @@ NO_FAILURES = dict.fromkeys(url_guard.REASONS, 0)
 def decode(jpeg: bytes) -> np.ndarray:
     assert jpeg[:2] == b"\xff\xd8", "not a JPEG"
     return cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_UNCHANGED)
-
-
-def check_tar_layout(folder: Path) -> None:
-    """Every tar's members are sorted, have a fixed mtime and come as jpg/json/txt triples."""
-    for tar_path in sorted(folder.glob("*.tar")):
-        with tarfile.open(tar_path) as tar:
-            members = tar.getmembers()
-        names = [m.name for m in members]
-        assert names == sorted(names)
-        assert {m.mtime for m in members} <= {0}
-        assert [n.split(".", 1)[1] for n in names] == ["jpg", "json", "txt"] * (len(names) // 3)
 
 
 def test_laion_cli_fetches_good_rows_from_the_loopback_server(demo_params, run_until, tmp_path):

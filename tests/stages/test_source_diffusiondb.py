@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tarfile
 import zipfile
 from pathlib import Path
 from typing import get_args
@@ -14,18 +13,7 @@ import pytest
 
 from stages import fetch_images, filter_metadata, image_convert, shards, sources
 from stages.config import Source
-from tests.stages.source_fixtures import BLUE, close_to, decode, image_bytes, statuses
-
-
-def check_tar_layout(folder: Path) -> None:
-    """Every tar's members are sorted, have a fixed mtime and come as jpg/json/txt triples."""
-    for tar_path in sorted(folder.glob("*.tar")):
-        with tarfile.open(tar_path) as tar:
-            members = tar.getmembers()
-        names = [m.name for m in members]
-        assert names == sorted(names)
-        assert {m.mtime for m in members} <= {0}
-        assert [n.split(".", 1)[1] for n in names] == ["jpg", "json", "txt"] * (len(names) // 3)
+from tests.stages.source_fixtures import BLUE, check_tar_layout, close_to, decode, image_bytes, statuses
 
 
 def test_demo_diffusiondb_keeps_every_image(demo_params, run_until):
