@@ -357,12 +357,43 @@ class Train(Section):
     save_steps: int = Field(0, ge=0)
     """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""
     keep_last: int = Field(2, ge=1)
+    """Retention: the newest K checkpoints of a phase's run are kept ..."""
+    keep_every: int = Field(0, ge=0)
+    """... plus every checkpoint whose step is a multiple of N (0: none) ..."""
+    keep_best: bool = True
+    """... plus the one with the lowest mean training loss since the previous checkpoint."""
+    checkpoint_s3: str | None = None
+    """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
+    resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
     log_every: int = Field(10, ge=1)
+    progress_bar: bool = True
+    """tqdm bar with ETA on the main rank."""
     nproc_per_node: int = Field(1, ge=1)
+    """Processes (GPUs) per node; > 1 (or nnodes > 1) makes the stage launch ``torchrun``."""
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the rendezvous (required when nnodes > 1)."""
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """bf16 autocast on CUDA; CPU always trains in fp32."""
+    tf32: bool = True
+    """Allow TF32 matmuls/convolutions on CUDA."""
+    text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"
+    """The frozen text encoder's dtype on CUDA (CPU: fp32)."""
+    ema_device: Literal["model", "cpu"] = "model"
+    """Where the EMA weights live: with the model (GPU), or on CPU to save GPU memory."""
+    ema_update_every: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
     gradient_checkpointing: bool = False
     channels_last: bool = False
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> Train:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("train.nnodes > 1 needs train.rdzv_endpoint ('host:port' of node 0)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
+        return self
 
 
 class Phase(Section):
@@ -371,6 +402,10 @@ class Phase(Section):
     description: str = ""
     init_from: str = SCRATCH
     init_weights: Literal["ema", "live"] = "ema"
+    init_path: str | None = None
+    """Optional foreign weights to start from instead (a ``.safetensors``/``.pt`` state dict, e.g. the
+    reference run's checkpoint); wrapper prefixes (``module.``, ``_orig_mod.``, ``unet.``,
+    ``_fsdp_wrapped_module.``) are stripped and the keys must match ``models.unet``."""
     mix: dict[str, StrictInt | float]
     """source name → fraction of the phase's samples (decimals summing to 1, e.g. ``0.6``) or a sample
     count (integers, e.g. ``150000``; then ``samples`` must equal their sum). One mix uses one kind."""
