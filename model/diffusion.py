@@ -6,6 +6,8 @@ Pure torch + diffusers; no I/O. Shapes: latents ``[B, C, h, w]``, timesteps ``[B
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from diffusers import DDPMScheduler
@@ -21,9 +23,26 @@ def check_prediction_type(prediction_type: str) -> str:
     return prediction_type
 
 
-def sample_timesteps(batch: int, num_train_timesteps: int, generator: torch.Generator) -> torch.Tensor:
+Generators = torch.Generator | Sequence[torch.Generator]
+"""One stream for the whole batch, or one per sample (row ``b`` drawn from ``generator[b]``)."""
+
+
+def draw(generator: Generators, shape: tuple[int, ...], fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``fn(shape, generator=g)`` for a ``[B, ...]`` draw: from one stream, or row by row from per-sample streams.
+
+    Per-sample streams make a sample's noise, timestep and CFG drop independent of which rank and
+    batch it lands in (DDP with batch B on each of N ranks draws what one process with batch N·B does).
+    """
+    if isinstance(generator, torch.Generator):
+        return fn(shape, generator=generator)
+    if len(generator) != shape[0]:
+        raise ValueError(f"per-sample generators: need one per row ({shape[0]}); got {len(generator)}")
+    return torch.stack([fn(shape[1:], generator=g) for g in generator])
+
+
+def sample_timesteps(batch: int, num_train_timesteps: int, generator: Generators) -> torch.Tensor:
     """Uniform integer timesteps in ``[0, num_train_timesteps)``."""
-    return torch.randint(0, num_train_timesteps, (batch,), generator=generator, dtype=torch.long)
+    return draw(generator, (batch,), partial(torch.randint, 0, num_train_timesteps, dtype=torch.long))
 
 
 def training_target(
@@ -59,11 +78,11 @@ def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tens
     return per_sample.mean()
 
 
-def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
+def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator: Generators) -> torch.Tensor:
     """Replace each sample's text condition ``[B, L, D]`` by ``uncond`` ``[1, L, D]`` with probability ``rate``."""
     if rate <= 0:
         return cond
-    drop = torch.rand(cond.shape[0], generator=generator) < rate
+    drop = draw(generator, (cond.shape[0],), torch.rand) < rate
     if not bool(drop.any()):
         return cond
     mask = drop.to(cond.device).view(-1, 1, 1)
@@ -115,7 +134,7 @@ def denoising_loss(
     scheduler: DDPMScheduler,
     latents: torch.Tensor,
     cond: torch.Tensor,
-    generator: torch.Generator,
+    generator: Generators,
     min_snr_gamma: float | None,
     noise_offset: float = 0.0,
 ) -> torch.Tensor:
@@ -126,11 +145,10 @@ def denoising_loss(
     low-frequency content even at t≈999, so the model learns global colour from the noisy input
     instead of from the prompt. Noise and timesteps are drawn from the CPU ``generator``.
     """
-    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    randn = partial(torch.randn, dtype=torch.float32)
+    noise = draw(generator, tuple(latents.shape), randn)
     if noise_offset:
-        noise = noise + noise_offset * torch.randn(
-            (latents.shape[0], latents.shape[1], 1, 1), generator=generator, dtype=torch.float32
-        )
+        noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
     noise = noise.to(latents.device)
     timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator)
     timesteps = timesteps.to(latents.device)

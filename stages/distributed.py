@@ -1,4 +1,11 @@
-"""Process-group setup that runs unchanged with and without ``torchrun`` (nanoGPT-style)."""
+"""Process-group setup that runs unchanged with and without ``torchrun`` (nanoGPT-style), and the RNG scheme.
+
+Randomness (noise, timesteps, CFG drop) is drawn per sample, from a stream seeded from one
+generator that every rank holds in the same state (:func:`sample_generators`). A sample's draws
+therefore depend only on its place in the *global* micro-batch, not on the rank or the world size:
+N ranks with batch B train like one process with batch N·B (``tests/stages/test_ddp.py``), and the
+generator state saved by rank 0 resumes every rank.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +42,18 @@ def init_distributed() -> Dist:
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Dist(rank, world, local_rank, device)
+
+
+SEED_RANGE = 2**62
+
+
+def sample_generators(shared: torch.Generator, batch: int, rank: int, world: int) -> list[torch.Generator]:
+    """One CPU generator per row of this rank's micro-batch of ``batch`` rows.
+
+    ``shared`` (same state on every rank) gives ``world * batch`` seeds, one per row of the global
+    micro-batch; rank ``r`` takes rows ``r::world`` — the striding of
+    :func:`stages.latent_loader.rank_order`, so row ``j`` of rank ``r`` is the sample that one process
+    with batch ``world * batch`` holds in row ``j * world + r``. ``shared`` advances alike on all ranks.
+    """
+    seeds = torch.randint(SEED_RANGE, (world * batch,), generator=shared)[rank::world]
+    return [torch.Generator().manual_seed(int(s)) for s in seeds]

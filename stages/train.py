@@ -1,6 +1,9 @@
 """Stage ``train@<phase>``: train the UNet on the phase's latent mix, from the previous phase's weights.
 
-Runs as one process (CPU demo, one GPU) or under ``torchrun`` (DDP: NCCL on CUDA, gloo on CPU).
+Runs in-process for one process (CPU demo, one GPU); with ``train.nproc_per_node > 1`` or
+``train.nnodes > 1`` the entry re-executes itself under ``torchrun`` (:mod:`stages.launch`; DDP: NCCL
+on CUDA, gloo on CPU) and exits with its status. Rank 0 alone exports the weights, writes the
+metrics JSON and logs to MLflow; the launcher only waits and forwards SIGTERM/SIGINT.
 Resumable: checkpoints go to ``${paths.runs}/<phase>/`` (not a DVC output, so they survive a
 killed ``dvc repro``); a rerun with the same inputs continues from the newest good checkpoint
 mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_ema/`` (EMA),
@@ -9,20 +12,23 @@ mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_em
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from stages.checkpoints import load_state, newest_loadable
-from stages.common import stage_cli, write_json
-from stages.config import Params
+from stages.common import InputError, setup_logging, stage_cli, write_json
+from stages.config import ConfigError, Params, Train, load_params
 from stages.distributed import init_distributed
+from stages.launch import launch, needs_launch, torchrun_command
 from stages.trainer import Trainer, train_loop
 
 log = logging.getLogger(__name__)
@@ -97,13 +103,19 @@ def run(params: Params, phase_name: str) -> dict:
             logger.close()
     elapsed = time.perf_counter() - start
     trained = tr.progress.step - resumed_at
+    final_loss = _tail_mean(losses)
+    if dist.world > 1 and final_loss is not None:  # each rank's loss is over its own slice: average them
+        t = torch.tensor([final_loss], dtype=torch.float64, device=dist.device)
+        torch.distributed.all_reduce(t)
+        final_loss = round(float(t) / dist.world, 6)
     metrics = {
         "steps": tr.progress.step,
         "total_steps": tr.total_steps,
         "resumed_at_step": resumed_at,
         "samples": len(tr.data),
         "epochs": tr.progress.epoch,
-        "final_loss": _tail_mean(losses),
+        "final_loss": final_loss,
+        "world_size": dist.world,
         "seconds": round(elapsed, 2),
         "samples_per_s": round(
             trained * tr.phase.batch_size * tr.phase.grad_accum * dist.world / max(elapsed, 1e-9), 2
@@ -176,9 +188,64 @@ class _StepLogger:
         self._ctx.__exit__(None, None, None)
 
 
+def _cli_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m stages.train")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--item", required=True)
+    return parser.parse_args(argv)
+
+
+def _launch_config(argv: list[str]) -> Train | None:
+    """``params.train`` if readable (else ``None``: :func:`stage_cli` then reports the error)."""
+    try:
+        return load_params(_cli_args(argv).params).train
+    except (SystemExit, ConfigError, OSError, ValueError):
+        return None
+
+
+def _relaunch(cfg: Train, argv: list[str]) -> None:
+    """Run this stage under torchrun; a non-zero status fails the stage with that status."""
+    setup_logging()
+    phase = _cli_args(argv).item
+    rc = launch(torchrun_command(cfg, argv, module="stages.train"))
+    if rc != 0:
+        log.error(
+            "train@%s: torchrun (%d node(s) x %d process(es)) exited with status %d; the failing rank's error "
+            "is above. Checkpoints in the run dir are kept: rerunning resumes.",
+            phase,
+            cfg.nnodes,
+            cfg.nproc_per_node,
+            rc,
+        )
+        raise SystemExit(rc)
+    log.info("train@%s: torchrun finished (rank 0 exported the weights and metrics)", phase)
+
+
+def _rank_cli(argv: list[str]) -> None:
+    """A non-zero rank: train, but leave the metrics JSON (and everything else written once) to rank 0."""
+    args = _cli_args(argv)
+    setup_logging()
+    try:
+        run(load_params(args.params), args.item)
+    except (ConfigError, InputError) as err:
+        log.error("%s", err)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``python -m stages.train --params params.yaml --item <phase>``."""
-    stage_cli("train", run, argv=argv)
+    """CLI: ``python -m stages.train --params params.yaml --item <phase>``.
+
+    One process: trains here. Several (``train.nproc_per_node``/``nnodes``): re-executes itself under
+    ``torchrun`` unless already a torchrun rank; rank 0 writes the metrics JSON, other ranks none.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = _launch_config(argv)
+    if cfg is not None and needs_launch(cfg, os.environ):
+        _relaunch(cfg, argv)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        stage_cli("train", run, argv=argv)
+    else:
+        _rank_cli(argv)
 
 
 if __name__ == "__main__":

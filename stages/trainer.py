@@ -18,7 +18,7 @@ import torch
 from stages.checkpoints import Progress, save_checkpoint
 from stages.common import InputError
 from stages.config import SCRATCH, Params, Phase, Train
-from stages.distributed import Dist
+from stages.distributed import Dist, sample_generators
 from stages.latent_loader import LatentIndexDataset, batches_per_epoch, iter_batches
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class Trainer:
             model_config=self.unet.config,
         )
         self.ema.to(dist.device)
-        self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000 + dist.rank)
+        # Same state on every rank: per-sample streams are split off it (stages.distributed.sample_generators).
+        self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
         self.progress = Progress()
 
     # -- checkpoint state ------------------------------------------------------------------
@@ -159,27 +160,28 @@ class Trainer:
         dev = self.dist.device
         with torch.no_grad():
             cond = self.text_encoder(input_ids.to(dev))[0]
-        cond = cfg_dropout(cond, self.uncond, self.phase.cfg_dropout, self.generator)
+        gens = sample_generators(self.generator, latents.shape[0], self.dist.rank, self.dist.world)
+        cond = cfg_dropout(cond, self.uncond, self.phase.cfg_dropout, gens)
         no_sync = self.model.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
         autocast = torch.autocast(
             "cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda" and self.cfg.mixed_precision == "bf16"
         )
-        with no_sync, autocast:
-            loss = denoising_loss(
-                self.model,
-                self.scheduler,
-                latents.to(dev),
-                cond,
-                self.generator,
-                self.phase.min_snr_gamma,
-                self.cfg.noise_offset,
-            )
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"train@{self.phase_name}: non-finite loss {loss.item()} at step {self.progress.step}; "
-                "stopping (the last good checkpoint is kept). Lower the LR or check the latents."
-            )
-        with no_sync:
+        with no_sync:  # one context (DDP's no_sync() is single-use) around forward and backward
+            with autocast:
+                loss = denoising_loss(
+                    self.model,
+                    self.scheduler,
+                    latents.to(dev),
+                    cond,
+                    gens,
+                    self.phase.min_snr_gamma,
+                    self.cfg.noise_offset,
+                )
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"train@{self.phase_name}: non-finite loss {loss.item()} at step {self.progress.step}; "
+                    "stopping (the last good checkpoint is kept). Lower the LR or check the latents."
+                )
             (loss * scale).backward()
         return float(loss.detach())
 
