@@ -226,25 +226,25 @@ def encode_shards(
 
     def batch() -> None:
         pending: list[Decoded] = []
-        skipped = Counter()
+        tally = Counter()  # the tar's per-sample counts (skipped, resized, captions), kept off the VAE's thread
         while True:
             item = _get(decoded, stop)
             if isinstance(item, _TarEnd):
-                if pending and not _put(batches, _make_batch(pending, tokens, device), stop):
+                if pending and not _put(batches, _make_batch(pending, tokens, device, tally), stop):
                     return
-                item.counts.update(skipped)
-                pending, skipped = [], Counter()
+                item.counts.update(tally)
+                pending, tally = [], Counter()
                 if not _put(batches, item, stop) or item.tar is tars[-1]:
                     return
                 continue
             for sample in item.result():
                 if sample.image is None:
-                    skipped[f"skipped_{sample.problem}"] += 1
+                    tally[f"skipped_{sample.problem}"] += 1
                     log.warning("sample %s skipped: %s", sample.key, sample.problem)
                     continue
                 pending.append(sample)
                 if len(pending) == opts.batch_size:
-                    if not _put(batches, _make_batch(pending, tokens, device), stop):
+                    if not _put(batches, _make_batch(pending, tokens, device, tally), stop):
                         return
                     pending = []
 
@@ -253,7 +253,7 @@ def encode_shards(
     threads = [_thread(read, decoded, stop, "encode-reader"), _thread(batch, batches, stop, "encode-batcher")]
     encoder = _encoder(vae, opts, device)
     try:
-        latents, ids, rows, counts = [], [], [], Counter()
+        latents, ids, rows = [], [], []
         while True:
             t0 = time.perf_counter()
             item = _get(batches, stop)
@@ -266,18 +266,13 @@ def encode_shards(
                 stats["encode_seconds"] += time.perf_counter() - t1
                 stats["images"] += len(item.rows)
                 continue
-            counts = item.counts
-            for r in rows:
-                counts["resized"] += r["resized"]
-                counts["captions_truncated"] += r["truncated"]
-                counts["captions_empty"] += not r["caption"].strip()
             yield EncodedShard(
                 item.tar,
                 item.sha256,
                 torch.cat(latents).cpu() if latents else None,
                 torch.cat(ids) if ids else None,
                 rows,
-                counts,
+                item.counts,
             )
             latents, ids, rows = [], [], []
             if item.tar is tars[-1]:
@@ -290,8 +285,12 @@ def encode_shards(
         prefetch.close()
 
 
-def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device) -> _Batch:
+def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, counts: Counter) -> _Batch:
+    """Stack ``samples`` into a batch; add their resized / truncated / empty-caption counts to ``counts``."""
     ids, truncated = tokens([s.caption for s in samples])
+    counts["resized"] += sum(s.resized for s in samples)
+    counts["captions_truncated"] += sum(truncated)
+    counts["captions_empty"] += sum(not s.caption.strip() for s in samples)
     images = torch.from_numpy(np.stack([s.image for s in samples]))
     if device.type == "cuda":
         images = images.pin_memory()
