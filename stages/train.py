@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stages.checkpoints import load_state, newest_loadable
+from stages.checkpoints import resume_point
 from stages.common import InputError, setup_logging, stage_cli, write_json
 from stages.config import ConfigError, Params, Train, load_params
 from stages.distributed import init_distributed
@@ -90,7 +90,7 @@ def run(params: Params, phase_name: str) -> dict:
         extra={"phase": tr.phase.model_dump(), "train": params.train.model_dump(), "world": dist.world},
     )
     _prepare_run_dir(run_dir, fp, dist.is_main)
-    found = newest_loadable(run_dir, load_state)
+    found = resume_point(run_dir, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
     if found:
         tr.restore(*found)
     resumed_at = tr.progress.step

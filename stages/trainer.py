@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from stages.checkpoints import Progress, save_checkpoint
+from stages.checkpoints import Progress, Retention, capture_rng, restore_rng, save_checkpoint
 from stages.common import InputError
 from stages.config import SCRATCH, Params, Phase, Train
 from stages.distributed import Dist, sample_generators
@@ -117,20 +117,15 @@ class Trainer:
 
     # -- checkpoint state ------------------------------------------------------------------
     def state(self) -> dict:
-        """Everything besides the live weights needed to continue bit-exactly."""
-        state = {
+        """Everything besides the live weights and the per-rank RNG needed to continue bit-exactly."""
+        return {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "ema": self.ema.state_dict(),
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.dist.device)
-        return state
 
     def restore(self, ckpt: Path, state: dict) -> None:
-        """Load live weights and ``state`` from a checkpoint."""
+        """Load live weights, ``state`` and this rank's RNG (``state["rng"]``) from a checkpoint."""
         from diffusers import UNet2DConditionModel
 
         loaded = UNet2DConditionModel.from_pretrained(ckpt / "unet")
@@ -138,11 +133,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.ema.load_state_dict(state["ema"])
-        self.ema.to(self.dist.device)
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"], self.dist.device)
+        self.ema.to(getattr(self, "ema_device", self.dist.device))
+        restore_rng(state["rng"], self.generator, self.dist.device)
         self.progress = Progress(**state["progress"])
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
@@ -210,6 +202,7 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
     """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses."""
     phase, cfg, p = tr.phase, tr.cfg, tr.progress
     losses: list[float] = []
+    saver = _Checkpointer(tr, run_dir)
     accum = phase.grad_accum
     while p.epoch < phase.epochs:
         group_loss, in_group = 0.0, 0
@@ -232,10 +225,11 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
             if on_step:
                 on_step(p.step, loss, tr.lr_scheduler.get_last_lr()[0], grad_norm, time.perf_counter() - t0)
             if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < tr.batches_per_epoch:
-                _checkpoint(tr, run_dir)
+                saver.save(losses)
             _kill_point(p.step)
         p.epoch, p.batch = p.epoch + 1, 0
-        _checkpoint(tr, run_dir)
+        saver.save(losses)
+    saver.close()
     return losses
 
 
@@ -246,8 +240,47 @@ def _kill_point(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _checkpoint(tr: Trainer, run_dir: Path) -> None:
-    if tr.dist.is_main:
-        save_checkpoint(run_dir, tr.progress, tr.unet, tr.state(), tr.cfg.keep_last)
-    if tr.dist.world > 1:
-        torch.distributed.barrier()
+class _Checkpointer:
+    """The checkpoints of one :func:`train_loop`.
+
+    Each save gathers every rank's RNG state to rank 0, which writes the checkpoint (with the mean
+    loss since the previous one, over all ranks, for ``keep_best``), prunes, and — with
+    ``train.checkpoint_s3`` — queues its upload; :meth:`close` waits for pending uploads.
+    """
+
+    def __init__(self, tr: Trainer, run_dir: Path):
+        self.tr, self.run_dir, self.mark = tr, run_dir, 0
+        cfg = tr.cfg
+        self.retention = Retention(cfg.keep_last, cfg.keep_every, cfg.keep_best)
+        self.uploader = None
+        if cfg.checkpoint_s3 and tr.dist.is_main:
+            from stages.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
+
+            remote = RemoteRun(run_url(cfg.checkpoint_s3, run_dir))
+            self.uploader = BackgroundUploader(remote, run_dir, self.retention)
+
+    def save(self, losses: list[float]) -> None:
+        tr, dist = self.tr, self.tr.dist
+        recent, self.mark = losses[self.mark :], len(losses)
+        loss = sum(recent) / len(recent) if recent else None
+        rng = [capture_rng(tr.generator, dist.device)]
+        if dist.world > 1:
+            total = torch.tensor([sum(recent), len(recent)], dtype=torch.float64, device=dist.device)
+            torch.distributed.all_reduce(total)
+            loss = float(total[0] / total[1]) if total[1] else None
+            gathered = [None] * dist.world if dist.is_main else None
+            torch.distributed.gather_object(rng[0], gathered, dst=0)
+            rng = gathered
+        if dist.is_main:
+            config = tr.params.model_dump(mode="json")
+            path = save_checkpoint(
+                self.run_dir, tr.progress, tr.unet, tr.state(), self.retention, rng=rng, loss=loss, config=config
+            )
+            if self.uploader:
+                self.uploader.submit(path)
+        if dist.world > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.uploader:
+            self.uploader.close()

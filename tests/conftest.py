@@ -1,0 +1,61 @@
+"""Fixtures shared by every test package: a real S3 (moto server) on loopback."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class MotoS3:
+    """A fresh bucket on the session's moto server; boto3 in this process (and children) points at it."""
+
+    endpoint: str
+    bucket: str
+    client: Any
+
+    def url(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """A ``moto`` S3 server (``ThreadedMotoServer``) on a free 127.0.0.1 port; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def moto_s3(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> MotoS3:
+    """Dummy credentials + ``AWS_ENDPOINT_URL`` (honoured by boto3 natively) and a new empty bucket."""
+    import boto3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": moto_server,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    client = boto3.client("s3")
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return MotoS3(moto_server, bucket, client)
