@@ -1,4 +1,4 @@
-"""Training maths for latent diffusion: noise, targets, Min-SNR weights, CFG dropout, LR schedule.
+"""Training maths for latent diffusion: noise, targets, Min-SNR weights, CFG dropout, LR schedule, EMA decay.
 
 Pure torch + diffusers; no I/O. Shapes: latents ``[B, C, h, w]``, timesteps ``[B]`` (long).
 """
@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 from diffusers import DDPMScheduler
-from diffusers.training_utils import compute_snr
+from diffusers.training_utils import EMAModel, compute_snr
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -156,3 +156,49 @@ def denoising_loss(
     pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample
     target = training_target(scheduler, latents, noise, timesteps)
     return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma))
+
+
+def ema_decay(step: int, peak: float) -> float:
+    """EMA decay at optimizer step ``step`` (1-based): ``min(peak, (1 + step) / (10 + step))``.
+
+    The warm-up of CompVis' ``LitEma`` (which trained SD 1.x; it counts the update being made) and of
+    diffusers' ``EMAModel`` without ``use_ema_warmup`` (which counts from 0 and copies at its first
+    update; ``update_after_step=-1`` shifts it onto this one). Step 1: 2/11; 0.9999 from step 89,990.
+    """
+    return min(peak, (1 + step) / (10 + step))
+
+
+class TrainingEMA(EMAModel):
+    """diffusers' ``EMAModel`` with :func:`ema_decay`, updated every ``every`` optimizer steps, on any device.
+
+    An update after ``every`` optimizer steps applies the product of their per-step decays — for a
+    constant decay ``d`` that is ``d**every``, the decay of ``every`` single-step updates towards the
+    same weights (the weights in between are skipped, which is the saving). ``optimization_step``
+    counts updates, so update ``n`` covers optimizer steps ``(n-1)·every+1 … n·every``; with
+    ``every=1`` this is exactly ``EMAModel(update_after_step=-1)``.
+
+    The shadow weights may live on another device than the model's (``to("cpu")``): each update
+    copies the live weights there first.
+    """
+
+    def __init__(self, parameters, decay: float, every: int = 1, **kwargs):
+        if every < 1:
+            raise ValueError(f"EMA update interval must be ≥ 1; got {every}")
+        super().__init__(parameters, decay=decay, update_after_step=-1, **kwargs)
+        self.every = every
+
+    def get_decay(self, optimization_step: int) -> float:
+        """Decay of update number ``optimization_step`` (1-based)."""
+        d = 1.0
+        for step in range((optimization_step - 1) * self.every + 1, optimization_step * self.every + 1):
+            d *= ema_decay(step, self.decay)
+        return d
+
+    @torch.no_grad()
+    def step(self, parameters) -> None:
+        """One EMA update towards ``parameters`` (copied to the shadow weights' device if elsewhere)."""
+        parameters = list(parameters)
+        home = self.shadow_params[0].device if self.shadow_params else None
+        if parameters and parameters[0].device != home:
+            parameters = [p.detach().to(home).requires_grad_(p.requires_grad) for p in parameters]
+        super().step(parameters)

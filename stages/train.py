@@ -135,7 +135,13 @@ def _tail_mean(values: list[float], n: int = 20) -> float | None:
 
 
 class _StepLogger:
-    """MLflow step metrics (main rank only), a progress bar, and the phase's final report."""
+    """MLflow step metrics (main rank only), a progress bar with ETA, and the phase's final report.
+
+    Every ``train.log_every`` optimizer steps it logs the window's means of ``loss``, ``grad_norm``,
+    ``step_time_s`` and ``data_wait_s`` (time blocked on the loader), the current ``lr``,
+    ``samples_per_s`` (all ranks: window samples × world ÷ window seconds) and, on CUDA,
+    ``gpu_mem_max_allocated_gb`` (the peak since the previous log).
+    """
 
     def __init__(self, params: Params, phase_name: str, tr: Trainer):
         from tqdm import tqdm
@@ -144,6 +150,9 @@ class _StepLogger:
 
         self.every = params.train.log_every
         self.losses: list[float] = []
+        self.window: list[dict] = []
+        self.world = tr.dist.world
+        self.cuda = tr.dist.device if tr.dist.device.type == "cuda" else None
         self._ctx = stage_run(
             params.tracking,
             phase_name,
@@ -152,6 +161,7 @@ class _StepLogger:
                 "phase": params.phases[phase_name].model_dump(),
                 "train": params.train.model_dump(),
                 "unet": params.models.unet.model_dump(),
+                "run": {"world": tr.dist.world, "total_steps": tr.total_steps, "device": str(tr.dist.device)},
             },
         )
         self.mlflow = self._ctx.__enter__()
@@ -159,25 +169,26 @@ class _StepLogger:
             total=tr.total_steps,
             initial=tr.progress.step,
             desc=f"train@{phase_name}",
-            disable=os.environ.get("SDFORGE_PROGRESS", "1") == "0",
+            unit="step",
+            disable=not params.train.progress_bar or os.environ.get("SDFORGE_PROGRESS", "1") == "0",
         )
-        self.batch = tr.phase.batch_size * tr.phase.grad_accum * tr.dist.world
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float) -> None:
-        self.losses.append(loss)
+    def log(self, step: int, stats: dict) -> None:
+        self.losses.append(stats["loss"])
+        self.window.append(stats)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
-        if step % self.every == 0:
-            self.mlflow.log_metrics(
-                {
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "step_time_s": seconds,
-                    "samples_per_s": self.batch / max(seconds, 1e-9),
-                },
-                step=step,
-            )
+        self.bar.set_postfix(loss=f"{stats['loss']:.4f}")
+        if step % self.every:
+            return
+        n, seconds = len(self.window), sum(s["step_time_s"] for s in self.window)
+        metrics = {k: sum(s[k] for s in self.window) / n for k in ("loss", "grad_norm", "step_time_s", "data_wait_s")}
+        metrics["lr"] = stats["lr"]
+        metrics["samples_per_s"] = sum(s["samples"] for s in self.window) * self.world / max(seconds, 1e-9)
+        if self.cuda is not None:
+            metrics["gpu_mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.cuda) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+        self.mlflow.log_metrics(metrics, step=step)
+        self.window = []
 
     def finish(self, metrics: dict, out_dir: Path) -> None:
         self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})

@@ -61,20 +61,25 @@ class Trainer:
 
     def __init__(self, params: Params, phase_name: str, dist: Dist):
         from diffusers import DDPMScheduler, UNet2DConditionModel
-        from diffusers.training_utils import EMAModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
-        from model.diffusion import build_lr_scheduler, optimizer_steps
+        from model.diffusion import TrainingEMA, build_lr_scheduler, optimizer_steps
         from model.sampler import encode_prompts
 
         self.params, self.phase_name, self.dist = params, phase_name, dist
         self.phase: Phase = params.phases[phase_name]
         self.cfg: Train = params.train
         paths, models = params.paths, Path(params.paths.models)
+        cuda = dist.device.type == "cuda"
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = self.cfg.tf32
+            torch.backends.cudnn.allow_tf32 = self.cfg.tf32
         self.data = LatentIndexDataset(Path(paths.mixes) / f"{phase_name}.parquet", Path(paths.latents))
         self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
         self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
-        self.text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder").to(dist.device).eval()
+        te_dtype = torch.bfloat16 if cuda and self.cfg.text_encoder_dtype == "bf16" else torch.float32
+        self.text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
+        self.text_encoder.to(dist.device, dtype=te_dtype).eval()
         self.text_encoder.requires_grad_(False)
         uncond_file = models / "uncond_embedding.safetensors"  # written once by prepare_models
         if uncond_file.is_file():
@@ -82,10 +87,13 @@ class Trainer:
 
             self.uncond = load_file(uncond_file)["uncond"].to(dist.device)
         else:
-            self.uncond = encode_prompts(self.tokenizer, self.text_encoder, [""], dist.device)
+            self.uncond = encode_prompts(self.tokenizer, self.text_encoder, [""], dist.device).float()
         init_dir = Path(paths.checkpoints) / self.phase.init_from
         weights = "live" if self.phase.init_from == SCRATCH else self.phase.init_weights
-        self.unet = load_init_unet(init_dir, weights, params.models.unet.model_dump()).to(dist.device).train()
+        self.unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
+        if self.phase.init_path:
+            load_foreign_weights(self.unet, Path(self.phase.init_path))
+        self.unet.to(dist.device).train()
         if self.cfg.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
         if self.cfg.channels_last:
@@ -104,13 +112,15 @@ class Trainer:
             len(self.data) // dist.world, self.phase.batch_size, self.phase.grad_accum, self.phase.epochs
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.phase.warmup_steps, self.total_steps)
-        self.ema = EMAModel(
+        self.ema = TrainingEMA(
             self.unet.parameters(),
             decay=self.cfg.ema_decay,
+            every=self.cfg.ema_update_every,
             model_cls=UNet2DConditionModel,
             model_config=self.unet.config,
         )
-        self.ema.to(dist.device)
+        self.ema_device = dist.device if self.cfg.ema_device == "model" else torch.device("cpu")
+        self.ema.to(self.ema_device)
         # Same state on every rank: per-sample streams are split off it (stages.distributed.sample_generators).
         self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
         self.progress = Progress()
@@ -151,7 +161,7 @@ class Trainer:
 
         dev = self.dist.device
         with torch.no_grad():
-            cond = self.text_encoder(input_ids.to(dev))[0]
+            cond = self.text_encoder(input_ids.to(dev))[0].float()  # bf16 encoder on CUDA; no-op in fp32
         gens = sample_generators(self.generator, latents.shape[0], self.dist.rank, self.dist.world)
         cond = cfg_dropout(cond, self.uncond, self.phase.cfg_dropout, gens)
         no_sync = self.model.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
@@ -178,14 +188,49 @@ class Trainer:
         return float(loss.detach())
 
     def optimizer_step(self) -> float:
-        """Clip, step, schedule, EMA; return the gradient norm."""
+        """Clip, step, schedule, EMA (every ``ema_update_every`` steps); return the gradient norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ema.step(self.unet.parameters())
         self.progress.step += 1
+        if self.progress.step % self.cfg.ema_update_every == 0:
+            self.ema.step(self.unet.parameters())
         return float(grad_norm)
+
+
+def load_foreign_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from ``.safetensors`` or ``.pt``/``.pth``/``.bin`` (``weights_only``), unnested and unprefixed."""
+    from model.weights import strip_wrapper_prefixes, unnest_state_dict
+
+    if not path.is_file():
+        raise InputError(f"phase init_path {path}: no such file")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            obj = load_file(path)
+        elif path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise InputError(f"phase init_path {path}: expected .safetensors, .pt, .pth, .bin or .ckpt")
+        return strip_wrapper_prefixes(unnest_state_dict(obj))
+    except InputError:
+        raise
+    except Exception as err:  # unpicklable, truncated, not a dict: all the file's fault
+        raise InputError(f"phase init_path {path}: cannot read a state dict ({err})") from err
+
+
+def load_foreign_weights(unet: torch.nn.Module, path: Path) -> None:
+    """Load the foreign state dict at ``path`` strictly into ``unet``; a mismatch is an InputError naming keys."""
+    from model.weights import load_state_dict_strict
+
+    state_dict = load_foreign_state_dict(path)
+    try:
+        load_state_dict_strict(unet, state_dict)
+    except ValueError as err:
+        raise InputError(f"phase init_path {path}: {err} (params models.unet must describe this checkpoint)") from err
+    log.info("initialised the UNet from %s (%d tensors)", path, len(state_dict))
 
 
 def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.optim.AdamW:
@@ -199,23 +244,34 @@ def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.opt
 
 
 def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
-    """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses."""
+    """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses.
+
+    ``on_step(step, stats)`` is called after each optimizer step with ``loss``, ``lr``, ``grad_norm``,
+    ``step_time_s`` (first batch wait to optimizer step done; checkpoint writes excluded),
+    ``data_wait_s`` (of that, the time spent waiting for the loader) and ``samples`` (this rank's).
+    """
     phase, cfg, p = tr.phase, tr.cfg, tr.progress
     losses: list[float] = []
     saver = _Checkpointer(tr, run_dir)
     accum = phase.grad_accum
     while p.epoch < phase.epochs:
         group_loss, in_group = 0.0, 0
+        t_ready = group_t0 = time.perf_counter()
+        data_wait, group_samples = 0.0, 0
         for b, latents, ids in iter_batches(
             tr.data, p.epoch, cfg.seed, tr.dist.rank, tr.dist.world, phase.batch_size, start_batch=p.batch
         ):
+            if in_group == 0:
+                group_t0, data_wait, group_samples = t_ready, 0.0, 0
+            data_wait += time.perf_counter() - t_ready
+            group_samples += latents.shape[0]
             group_start = (b // accum) * accum
             group_size = min(accum, tr.batches_per_epoch - group_start)
             last_in_group = b == group_start + group_size - 1
-            t0 = time.perf_counter()
             group_loss += tr.micro_step(latents, ids, 1.0 / group_size, sync=last_in_group)
             in_group += 1
             if not last_in_group:
+                t_ready = time.perf_counter()
                 continue
             grad_norm = tr.optimizer_step()
             loss = group_loss / in_group
@@ -223,10 +279,19 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
             group_loss, in_group = 0.0, 0
             p.batch = b + 1
             if on_step:
-                on_step(p.step, loss, tr.lr_scheduler.get_last_lr()[0], grad_norm, time.perf_counter() - t0)
+                stats = {
+                    "loss": loss,
+                    "lr": tr.lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "step_time_s": time.perf_counter() - group_t0,
+                    "data_wait_s": data_wait,
+                    "samples": group_samples,
+                }
+                on_step(p.step, stats)
             if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < tr.batches_per_epoch:
                 saver.save(losses)
             _kill_point(p.step)
+            t_ready = time.perf_counter()
         p.epoch, p.batch = p.epoch + 1, 0
         saver.save(losses)
     saver.close()

@@ -135,3 +135,82 @@ def test_zero_snr_requires_v_prediction():
     with pytest.raises(ValueError, match="needs prediction_type v_prediction"):
         NoiseSchedule(rescale_betas_zero_snr=True)
     assert NoiseSchedule(rescale_betas_zero_snr=True, prediction_type="v_prediction").rescale_betas_zero_snr
+
+
+# -- EMA ---------------------------------------------------------------------------------------
+
+
+def test_ema_decay_sequence_is_min_peak_one_plus_step_over_ten_plus_step():
+    from model.diffusion import ema_decay
+
+    assert [ema_decay(k, 0.9999) for k in range(1, 6)] == [2 / 11, 3 / 12, 4 / 13, 5 / 14, 6 / 15]
+    first_at_peak = next(k for k in range(1, 200_000) if ema_decay(k, 0.9999) == 0.9999)
+    assert first_at_peak == 89_990
+    assert ema_decay(10**7, 0.9999) == 0.9999
+
+
+def test_training_ema_decay_equals_diffusers_ema_model():
+    from diffusers.training_utils import EMAModel
+
+    from model.diffusion import TrainingEMA, ema_decay
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    ours, shifted, default = TrainingEMA(p, 0.9999), EMAModel(p, decay=0.9999, update_after_step=-1), EMAModel(p)
+    for k in [*range(1, 50), 1000, 89_990, 89_991, 89_992, 10**6]:
+        assert ours.get_decay(k) == shifted.get_decay(k) == ema_decay(k, 0.9999)
+        assert default.get_decay(k + 1) == ema_decay(k, 0.9999)  # diffusers' default counts from 0
+    assert default.get_decay(1) == 0.0  # ... and copies the weights at its first update
+
+
+def test_training_ema_updates_bit_exactly():
+    from model.diffusion import TrainingEMA, ema_decay
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, generator=gen))
+    ema, shadow = TrainingEMA([p], 0.9), p.detach().clone()
+    for k in range(1, 40):
+        with torch.no_grad():
+            p.add_(torch.randn(5, generator=gen))
+        ema.step([p])
+        shadow.sub_((1 - ema_decay(k, 0.9)) * (shadow - p.detach()))
+        assert torch.equal(ema.shadow_params[0], shadow)
+    assert ema.optimization_step == 39
+
+
+def test_training_ema_every_n_steps_multiplies_the_decays():
+    from model.diffusion import TrainingEMA, ema_decay
+
+    ema = TrainingEMA([torch.nn.Parameter(torch.zeros(1))], 0.9999, every=4)
+    assert ema.get_decay(1) == math.prod(ema_decay(k, 0.9999) for k in (1, 2, 3, 4))
+    assert ema.get_decay(2) == math.prod(ema_decay(k, 0.9999) for k in (5, 6, 7, 8))
+    assert ema.get_decay(10**6) == pytest.approx(0.9999**4, rel=1e-15)
+    # a constant target: one 4-step update lands where four 1-step updates would
+    one, four = (TrainingEMA([torch.nn.Parameter(torch.zeros(1))], 0.9, every=n) for n in (1, 4))
+    target = [torch.nn.Parameter(torch.ones(1))]
+    for _ in range(4):
+        one.step(target)
+    four.step(target)
+    assert four.shadow_params[0].item() == pytest.approx(one.shadow_params[0].item(), rel=1e-12)
+    with pytest.raises(ValueError, match="≥ 1; got 0"):
+        TrainingEMA(target, 0.9, every=0)
+
+
+def test_unet_attention_uses_sdpa():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from model.builders import build_unet, unet_config
+
+    spec = {
+        "sample_size": 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "block_out_channels": [16, 32],
+        "layers_per_block": 1,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "cross_attention_dim": 32,
+        "attention_head_dim": 4,
+        "norm_num_groups": 8,
+    }
+    processors = build_unet(unet_config(spec), seed=0).attn_processors
+    assert processors and all(type(p) is AttnProcessor2_0 for p in processors.values())

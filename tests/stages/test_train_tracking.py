@@ -1,0 +1,107 @@
+"""train stage: MLflow step metrics (keys, sane values, data-wait measured) and init from foreign weights."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from stages.common import InputError
+from stages.config import parse_params
+from tests.stages.test_train import build_workspace
+
+LOADER_DELAY_S = 0.05
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return build_workspace(tmp_path_factory.mktemp("tracking"))
+
+
+def _params(params_file: Path, **phase1):
+    data = yaml.safe_load(params_file.read_text())
+    data["train"]["log_every"] = 2
+    data["phases"]["phase1"].update(phase1)
+    return parse_params(data)
+
+
+def test_step_metrics_logged_every_n_steps(workspace, monkeypatch):
+    import mlflow
+
+    from stages import train, trainer
+
+    slow_batches = trainer.iter_batches
+
+    def slow_loader(*args, **kwargs):
+        for item in slow_batches(*args, **kwargs):
+            time.sleep(LOADER_DELAY_S)
+            yield item
+
+    monkeypatch.setattr(trainer, "iter_batches", slow_loader)
+    monkeypatch.setenv("SDFORGE_PROGRESS", "0")
+    params = _params(workspace, epochs=1)  # 5 batches of 8, accum 2 → 3 optimizer steps; logged at step 2
+    metrics = train.run(params, "phase1")
+    assert metrics["steps"] == 3
+
+    mlflow.set_tracking_uri(params.tracking.mlflow_uri)
+    client = mlflow.MlflowClient()
+    exp = client.get_experiment_by_name(params.tracking.experiment)
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`sdforge.stage` = 'train'")
+    keys = {"loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s"}
+    assert keys <= set(run.data.metrics)
+    assert "gpu_mem_max_allocated_gb" not in run.data.metrics  # CPU
+    for key in keys:
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [2], key
+    m = run.data.metrics
+    assert m["loss"] > 0 and m["grad_norm"] > 0 and 0 < m["lr"] <= 1e-3
+    assert 2 * LOADER_DELAY_S <= m["data_wait_s"] <= m["step_time_s"]  # 2 micro-batches waited on per step
+    assert m["samples_per_s"] == pytest.approx(16 / m["step_time_s"], rel=1e-6)  # mean of 2 steps of 16 samples
+    p = run.data.params
+    assert p["phase.lr"] == "0.001" and p["phase.grad_accum"] == "2" and p["train.log_every"] == "2"
+    assert p["run.world"] == "1" and p["run.total_steps"] == "3"
+
+
+def _foreign(unet, wrap) -> dict:
+    return wrap({f"module._orig_mod.{k}": v.clone() + 1 for k, v in unet.state_dict().items()})
+
+
+@pytest.mark.parametrize(
+    ("name", "wrap"),
+    [("a.safetensors", lambda sd: sd), ("b.pt", lambda sd: {"state_dict": {"ema": sd}, "step": 5})],
+)
+def test_phase_init_path_loads_foreign_weights(workspace, tmp_path, name, wrap):
+    from stages.distributed import init_distributed
+    from stages.trainer import Trainer, load_init_unet
+
+    params = _params(workspace)
+    base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())
+    path = tmp_path / name
+    sd = _foreign(base, wrap)
+    save_file(sd, path) if name.endswith(".safetensors") else torch.save(sd, path)
+    tr = Trainer(_params(workspace, init_path=str(path)), "phase1", init_distributed())
+    for k, v in base.state_dict().items():
+        assert torch.equal(tr.unet.state_dict()[k], v + 1), k
+    assert all(torch.equal(s, p) for s, p in zip(tr.ema.shadow_params, tr.unet.parameters(), strict=True))
+
+
+def test_phase_init_path_mismatch_names_keys_and_file(workspace, tmp_path):
+    from stages.distributed import init_distributed
+    from stages.trainer import Trainer, load_init_unet
+
+    params = _params(workspace)
+    base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())
+    sd = {k: v for k, v in base.state_dict().items() if k != "conv_out.bias"}
+    sd["conv_in.weight"] = torch.zeros(1, 1, 1, 1)
+    path = tmp_path / "bad.safetensors"
+    save_file(sd, path)
+    with pytest.raises(InputError) as err:
+        Trainer(_params(workspace, init_path=str(path)), "phase1", init_distributed())
+    msg = str(err.value)
+    assert str(path) in msg and "1 missing (conv_out.bias)" in msg
+    assert "1 shape mismatches (conv_in.weight: [1, 1, 1, 1] vs model [16, 4, 3, 3])" in msg
+    with pytest.raises(InputError, match="no such file"):
+        Trainer(_params(workspace, init_path=str(tmp_path / "nope.pt")), "phase1", init_distributed())
