@@ -64,17 +64,32 @@ def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | N
     """
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg))
-    experiment = mlflow.set_experiment(cfg.experiment)
-    client = mlflow.MlflowClient()
-    parent_id = _parent_run_id(client, experiment.experiment_id, parent)
-    with mlflow.start_run(run_id=parent_id):
-        with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
-            if params:
-                flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
-                mlflow.log_params(flat)
-            log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, tracking_uri(cfg))
-            yield mlflow
+    uri = tracking_uri(cfg)
+    with _env_untouched("MLFLOW_TRACKING_URI"):  # mlflow.set_tracking_uri also exports it to the env
+        mlflow.set_tracking_uri(uri)
+        experiment = mlflow.set_experiment(cfg.experiment)
+        client = mlflow.MlflowClient()
+        parent_id = _parent_run_id(client, experiment.experiment_id, parent)
+        with mlflow.start_run(run_id=parent_id):
+            with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
+                if params:
+                    flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
+                    mlflow.log_params(flat)
+                log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, uri)
+                yield mlflow
+
+
+@contextlib.contextmanager
+def _env_untouched(name: str) -> Iterator[None]:
+    """Restore environment variable ``name`` on exit: a stage must not redirect later stages' tracking."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def log_stage(cfg: Tracking, parent: str, stage: str, metrics: dict[str, Any], params: dict[str, Any] | None = None):

@@ -98,10 +98,18 @@ def run(params: Params, phase_name: str) -> dict:
     logger = _StepLogger(params, phase_name, tr) if dist.is_main else None
     try:
         losses = train_loop(tr, run_dir, on_step=logger.log if logger else None)
+        metrics = _finish(params, phase_name, tr, losses, resumed_at, time.perf_counter() - start, logger)
     finally:
         if logger:
             logger.close()
-    elapsed = time.perf_counter() - start
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+    return metrics
+
+
+def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: int, elapsed: float, logger) -> dict:
+    """The phase's metrics; on the main rank also the export and the final MLflow logging."""
+    dist, paths = tr.dist, params.paths
     trained = tr.progress.step - resumed_at
     final_loss = _tail_mean(losses)
     if dist.world > 1 and final_loss is not None:  # each rank's loss is over its own slice: average them
@@ -124,14 +132,16 @@ def run(params: Params, phase_name: str) -> dict:
     if dist.is_main:
         export_phase(tr, Path(paths.checkpoints) / phase_name, losses)
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)
-    if dist.world > 1:
-        torch.distributed.destroy_process_group()
     return metrics
 
 
 def _tail_mean(values: list[float], n: int = 20) -> float | None:
     tail = values[-n:]
     return round(sum(tail) / len(tail), 6) if tail else None
+
+
+STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s")
+"""Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
 
 
 class _StepLogger:
@@ -191,7 +201,9 @@ class _StepLogger:
         self.window = []
 
     def finish(self, metrics: dict, out_dir: Path) -> None:
-        self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        # whole-run figures; names shared with the step series get a ``run_`` prefix (one series, one meaning)
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        self.mlflow.log_metrics({f"run_{k}" if k in STEP_METRICS else k: v for k, v in numeric.items()})
         self.mlflow.set_tag("checkpoint", str(out_dir.resolve()))
 
     def close(self) -> None:

@@ -59,3 +59,23 @@ def moto_s3(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> Moto
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
     return MotoS3(moto_server, bucket, client)
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_state_is_per_test() -> Iterator[None]:
+    """``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI``, and a test may leave a run open:
+    undo both after every test, so one test's store never becomes the next one's."""
+    import os
+    import sys
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if "mlflow" in sys.modules:
+        mlflow = sys.modules["mlflow"]
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.set_tracking_uri(before)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -106,22 +107,43 @@ def weights(root: Path, phase: str, sub: str) -> dict:
     return load_file(root / "checkpoints" / phase / sub / "diffusion_pytorch_model.safetensors")
 
 
+# Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
+# A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
+RESUME_FROM = {3: (2, "epoch 0, batch 4"), 4: (4, "epoch 1, batch 2"), 5: (4, "epoch 1, batch 2")}
+KILL_SEED = int(os.environ.get("SDFORGE_KILL_SEED", random.SystemRandom().randrange(2**31)))
+KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     straight = tmp_path_factory.mktemp("straight")
     killed = tmp_path_factory.mktemp("killed")
     p_straight, p_killed = build_workspace(straight), build_workspace(killed)
     assert train(p_straight, "phase1").returncode == 0
-    died = train(p_killed, "phase1", kill_at=3)  # after the checkpoint at step 2, mid-epoch
+    died = train(p_killed, "phase1", kill_at=KILL_AT)  # a random step after the first checkpoint
     resumed = train(p_killed, "phase1")
     return straight, killed, died, resumed
 
 
+def logged_losses(root: Path) -> list[dict[int, float]]:
+    """The per-step ``loss`` history of each MLflow ``train`` run in ``root``'s store, oldest run first."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    found = client.search_runs(
+        [exp.experiment_id], "tags.`sdforge.stage` = 'train'", order_by=["attributes.start_time"]
+    )
+    return [{m.step: m.value for m in client.get_metric_history(r.info.run_id, "loss")} for r in found]
+
+
 def test_sigkill_then_resume_is_bit_identical(runs):
     straight, killed, died, resumed = runs
-    assert died.returncode == -9
+    why = f"killed at step {KILL_AT} (SDFORGE_KILL_SEED={KILL_SEED} reproduces it)"
+    resume_step, where = RESUME_FROM[KILL_AT]
+    assert died.returncode == -9, why
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "at step 2 (epoch 0, batch 4)" in resumed.stderr
+    assert "resumed from" in resumed.stderr and f"at step {resume_step} ({where})" in resumed.stderr, why
     for sub in ("unet", "unet_ema"):
         a, b = weights(straight, "phase1", sub), weights(killed, "phase1", sub)
         assert a.keys() == b.keys()
@@ -129,8 +151,14 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     m_straight = json.loads((straight / "metrics/train/phase1.json").read_text())
     m_killed = json.loads((killed / "metrics/train/phase1.json").read_text())
     assert m_straight["steps"] == m_killed["steps"] == 6  # 40 samples / batch 8 = 5 batches; accum 2 → 3 × 2 epochs
-    assert m_killed["resumed_at_step"] == 2
+    assert m_killed["resumed_at_step"] == resume_step, why
     assert m_straight["final_loss"] is not None and np.isfinite(m_straight["final_loss"])
+    # the logged loss sequence: the died run's steps up to the checkpoint, then the resumed run's
+    (straight_losses,) = logged_losses(straight)
+    died_losses, resumed_losses = logged_losses(killed)
+    assert sorted(straight_losses) == list(range(1, 7))
+    stitched = {k: v for k, v in died_losses.items() if k <= resume_step} | resumed_losses
+    assert stitched == straight_losses, why
 
 
 def test_next_phase_starts_from_previous_ema(runs):
