@@ -199,18 +199,8 @@ def test_unet_attention_uses_sdpa():
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     from model.builders import build_unet, unet_config
+    from tests.stages.test_prepare_models import TINY_UNET
 
-    spec = {
-        "sample_size": 8,
-        "in_channels": 4,
-        "out_channels": 4,
-        "block_out_channels": [16, 32],
-        "layers_per_block": 1,
-        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-        "cross_attention_dim": 32,
-        "attention_head_dim": 4,
-        "norm_num_groups": 8,
-    }
+    spec = {"in_channels": 4, "out_channels": 4, **TINY_UNET}
     processors = build_unet(unet_config(spec), seed=0).attn_processors
     assert processors and all(type(p) is AttnProcessor2_0 for p in processors.values())
