@@ -3,11 +3,21 @@
 DVC decides whether the stage is stale. The subprocess gets its own session so that a
 timeout, a cancel or a crash of the caller kills the stage command together with ``dvc``
 (killing ``dvc`` alone would orphan the stage, and the next run would start a second copy).
+
+Before each run, :func:`clear_stale_locks` drops what a killed ``dvc`` left in ``.dvc/tmp``: DVC
+itself forgets ``rwlock`` entries whose PID no longer exists, but refuses to run ("... is busy, it
+is being blocked by: (PID N)") while that PID is an unreaped zombie or has been reused by another
+program. Entries held by a live ``dvc`` process are kept.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
+import fcntl
+import json
+import logging
 import os
 import queue
 import signal
@@ -23,6 +33,8 @@ from pathlib import Path
 _RAN = "Running stage '{}'"
 _RESTORED = "Stage '{}' is cached - skipping run"
 _SKIPPED = "Stage '{}' didn't change, skipping"
+
+log = logging.getLogger(__name__)
 
 KILL_GRACE_S = 10.0
 TAIL_LINES = 40
@@ -49,6 +61,113 @@ def stage_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def lock_holder_state(pid: int) -> str:
+    """What holds a DVC lock entry: ``dead``, ``zombie``, ``other`` (a live process that is not
+    ``dvc``, i.e. a reused PID) or ``dvc`` (a live ``dvc`` process, or an in-process DVC ``Repo``)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return "zombie"
+        argv = proc.cmdline()
+    except psutil.NoSuchProcess:
+        return "dead"
+    except psutil.AccessDenied:
+        return "dvc"  # cannot tell: keep it
+    if pid == os.getpid() or _is_dvc_command(argv):
+        return "dvc"
+    return "other"
+
+
+def _is_dvc_command(argv: list[str]) -> bool:
+    """``dvc ...``, ``python -m dvc ...``, or a Python program using DVC's API whose argv mentions dvc."""
+    for i, arg in enumerate(argv[:3]):
+        if Path(arg).name == "dvc" or (arg == "-m" and i + 1 < len(argv) and argv[i + 1] == "dvc"):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _flock(path: Path):
+    """Hold DVC's guard of ``rwlock`` (``rwlock.lock``, a zc.lockfile ``flock``) while editing it."""
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def clear_stale_locks(root: str | Path) -> list[str]:
+    """Remove the ``.dvc/tmp/rwlock`` entries and the ``.dvc/tmp/lock`` file that no live ``dvc`` holds.
+
+    ``rwlock`` (``{"write": {path: {"pid", "cmd"}}, "read": {path: [{"pid", "cmd"}, ...]}}``, see
+    ``dvc/rwlock.py``) is edited under its guard file ``rwlock.lock``, as DVC does. ``lock`` is a
+    ``zc.lockfile`` (an ``flock`` plus the holder's PID as text): it is removed when nobody holds the
+    ``flock`` (a held one belongs to a live process and is kept). With ``core.hardlink_lock`` the lock
+    file names no PID, and it is left alone. Returns a line per removal; rwlock ones are logged as
+    warnings.
+    """
+    tmp = Path(root) / ".dvc" / "tmp"
+    removed: list[str] = []
+    rwlock = tmp / "rwlock"
+    if rwlock.is_file():
+        with _flock(tmp / "rwlock.lock"):
+            try:
+                lock = json.loads(rwlock.read_text() or "{}")
+            except ValueError:
+                lock = None
+            if isinstance(lock, dict):
+                states: dict[int, str] = {}
+
+                def stale(info: dict, path: str, mode: str) -> bool:
+                    pid = int(info.get("pid", -1))
+                    state = states.setdefault(pid, lock_holder_state(pid))
+                    if state != "dvc":
+                        removed.append(f"rwlock {mode} {path}: PID {pid} is {state} ({info.get('cmd', '?')!r})")
+                    return state != "dvc"
+
+                write = {p: i for p, i in lock.get("write", {}).items() if not stale(i, p, "write")}
+                read = {p: kept for p, infos in lock.get("read", {}).items()
+                        if (kept := [i for i in infos if not stale(i, p, "read")])}
+                if removed:
+                    rwlock.write_text(json.dumps({"write": write, "read": read}))
+    for line in removed:
+        log.warning("cleared stale DVC lock: %s", line)
+    # every dvc run leaves `lock` behind with its PID (zc.lockfile never deletes it): routine, not a warning
+    return removed + _clear_repo_lock(tmp / "lock")
+
+
+def _clear_repo_lock(path: Path) -> list[str]:
+    try:
+        f = open(path, "r+")
+    except FileNotFoundError:
+        return []
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []  # held: a live process owns it
+        text = f.read().strip()
+        if not text.isdigit():
+            return []  # not a zc.lockfile (hardlink lock) or being written: leave it
+        pid = int(text)
+        state = lock_holder_state(pid)
+        if state == "dvc" and pid != os.getpid():
+            return []  # a live dvc that has just opened it and is about to flock it
+        path.unlink()
+        return [f"lock: PID {pid} is {state} and holds no flock"]
 
 
 def kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
@@ -88,6 +207,7 @@ def run_dvc_stage(
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     lines: queue.Queue[str | None] = queue.Queue()
     status = "skipped"
+    clear_stale_locks(root)
 
     proc = subprocess.Popen(
         cmd,
