@@ -130,3 +130,64 @@ def test_a_torchrun_rank_trains_instead_of_relaunching(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     train_stage.main(argv)
     assert calls == ["rank0: stage_cli", "rank1: run phase1"]  # only rank 0 goes through stage_cli (metrics JSON)
+
+
+TWO_NODE_WORKER = textwrap.dedent("""
+    import hashlib, json, os, sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1 + rank)  # each rank sees different data
+    for _ in range(5):
+        x = torch.randn(8, 4, generator=gen)
+        loss = ((ddp(x) - x.sum(1, keepdim=True)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()  # DDP all-reduces the gradients
+        opt.step()
+    ranks = torch.tensor([float(rank)])
+    dist.all_reduce(ranks)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    out = {"rank": rank, "world": world, "rank_sum": ranks.item(), "weights": digest,
+           "node_rank_arg": os.environ.get("GROUP_RANK")}
+    open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w").write(json.dumps(out))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_rendezvous_and_agree(tmp_path):
+    """Two "nodes" (separate torchrun process groups, 1 process each) meet at a c10d rendezvous on
+    127.0.0.1 with the command :func:`torchrun_command` builds, train with gloo DDP and end identical."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "two_node_worker.py").write_text(TWO_NODE_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    nodes = []
+    for node_rank in (0, 1):
+        cfg = Train(nproc_per_node=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=f"127.0.0.1:{port}")
+        cmd = torchrun_command(cfg, [str(tmp_path)], module="two_node_worker")
+        assert cmd[cmd.index("--rdzv_endpoint") + 1] == f"127.0.0.1:{port}" and "--standalone" not in cmd
+        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2] and [r["rank_sum"] for r in ranks] == [1.0, 1.0]
+    assert {r["node_rank_arg"] for r in ranks} == {"0", "1"}  # one process per node
+    assert ranks[0]["weights"] == ranks[1]["weights"]
