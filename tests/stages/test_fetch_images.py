@@ -348,3 +348,30 @@ def test_read_tar_other_layouts_and_compression(tar_format, tmp_path):
         assert shards.canonicalize_tar(path) == 2
         assert shards.read_tar(path) == expected
         assert path.read_bytes() == shards.tar_bytes({"__key__": k, **v} for k, v in expected.items())
+
+
+@pytest.mark.parametrize("distributor", [None, "multiprocessing", "pyspark", "ray"])
+def test_distributor_is_passed_to_img2dataset(distributor, tmp_path, monkeypatch):
+    """``sources.<name>.fetch.distributor`` (default multiprocessing) reaches ``img2dataset.download``."""
+    import img2dataset
+
+    calls = []
+    monkeypatch.setattr(img2dataset, "download", lambda **kwargs: calls.append(kwargs))
+    fetch = FetchSettings() if distributor is None else FetchSettings(distributor=distributor)
+    with pytest.raises(fetch_images.FetchIncomplete):  # the stand-in wrote no shard
+        fetch_images.fetch_urls(tmp_path / "filtered.parquet", tmp_path / "out", fetch, rows=1)
+    assert [c["distributor"] for c in calls] == [distributor or "multiprocessing"]
+
+
+def test_unknown_distributor_is_a_config_error_naming_the_key():
+    import yaml
+
+    from stages.config import ConfigError, parse_params
+
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["sources"]["laion"]["fetch"]["distributor"] = "dask"
+    with pytest.raises(ConfigError) as err:
+        parse_params(data, origin="params.yaml")
+    msg = str(err.value)
+    assert "sources.laion.fetch.distributor" in msg and "'dask'" in msg
+    assert all(name in msg for name in ("multiprocessing", "pyspark", "ray"))
