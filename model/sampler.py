@@ -26,9 +26,10 @@ def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
         "rescale_betas_zero_snr",
     )
     cfg = {k: train_scheduler_config[k] for k in keys if k in train_scheduler_config}
-    if cfg.get("rescale_betas_zero_snr"):
-        return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, timestep_spacing="trailing")
-    return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading")
+    spacing = "trailing" if cfg.get("rescale_betas_zero_snr") else "leading"
+    # steps_offset only shifts "leading" timesteps; 1 everywhere, because diffusers' StableDiffusionPipeline
+    # rewrites any other value to 1 (with a deprecation warning) when it loads an exported folder
+    return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing=spacing)
 
 
 @torch.no_grad()

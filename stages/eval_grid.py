@@ -1,8 +1,11 @@
-"""Stage ``eval_grid@<phase>``: sample the fixed prompt set with the phase's EMA weights → captioned grid.
+"""Stage ``eval_grid@<phase>``: sample the fixed prompts with the phase's EMA weights → captioned grid + metrics.
 
-Output ``${paths.eval}/<phase>/``: ``grid.png`` (captioned), ``images/NN.png`` (one per prompt),
-``probe.json`` (demo prompts: does each image show the prompt's colour and shape?).
-Fixed seeds (``eval.seed + i`` for prompt ``i``) make grids comparable across phases.
+Output ``${paths.eval}/<phase>/``: ``grid.png`` (every prompt, captioned), ``strips/<category>.png`` (one
+row per category: flip through ``eval/*/strips/portrait.png`` to follow a category across phases),
+``images/NN.png`` (one per prompt, categories in file order), ``probe.json`` (demo prompts: does each
+image show the prompt's colour and shape?). Fixed seeds (``eval.seed + i`` for prompt ``i`` of its
+category) and per-category steps/guidance make the images comparable across phases. CLIP score and
+FID come from :mod:`stages.eval_metrics` when their local weights are given (see ``stages/EVAL.md``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from stages.sampling import generate, load_pipeline
 
 log = logging.getLogger(__name__)
 
+STRIPS = "strips"
 CELL = 128
 CAPTION_H = 28
 
@@ -69,28 +73,61 @@ def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData
     }
 
 
+def sample_categories(pipe, cfg: Eval) -> list[tuple[str, str, np.ndarray]]:
+    """``(category, prompt, image)`` for every eval prompt, each category with its own steps/guidance."""
+    out = []
+    for category, prompts in cfg.prompts.items():
+        steps, guidance = cfg.settings(category)
+        images = generate(
+            pipe,
+            prompts,
+            negative_prompt=cfg.negative_prompt,
+            steps=steps,
+            guidance_scale=guidance,
+            seeds=[cfg.seed + i for i in range(len(prompts))],
+            batch_size=cfg.batch_size,
+        )
+        out += [(category, prompt, img) for prompt, img in zip(prompts, images, strict=True)]
+    return out
+
+
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
-    """Sample ``cfg.prompts`` with EMA weights, write the grid and per-prompt images; return metrics."""
+    """Sample ``cfg.prompts`` with EMA weights, write the grid, strips and images; return metrics."""
+    from stages.eval_metrics import image_metrics
+
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
-    seeds = [cfg.seed + i for i in range(len(cfg.prompts))]
-    images = generate(
-        pipe,
-        cfg.prompts,
-        negative_prompt=cfg.negative_prompt,
-        steps=cfg.steps,
-        guidance_scale=cfg.guidance_scale,
-        seeds=seeds,
-        batch_size=cfg.batch_size,
-    )
+    samples = sample_categories(pipe, cfg)
+    categories, prompts, images = (list(x) for x in zip(*samples, strict=True))
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(images):
         Image.fromarray(img).save(out_dir / "images" / f"{i:02d}.png")
-    captioned_grid(images, cfg.prompts, cfg.columns).save(out_dir / "grid.png")
-    agreement = probe_agreement(images, cfg.prompts, demo)
+    captioned_grid(images, prompts, cfg.columns).save(out_dir / "grid.png")
+    (out_dir / STRIPS).mkdir(exist_ok=True)
+    for category, texts in cfg.prompts.items():
+        row = [img for c, img in zip(categories, images, strict=True) if c == category]
+        captioned_grid(row, texts, len(texts)).save(out_dir / STRIPS / f"{category}.png")
+    agreement = probe_agreement(images, prompts, demo)
     (out_dir / "probe.json").write_text(json.dumps(agreement, indent=2) + "\n")
     metrics = {k: v for k, v in agreement.items() if k != "per_prompt"}
     metrics.update(
-        {"images": len(images), "image_size": int(images[0].shape[0]), "checkpoint_hash": pipe.checkpoint_hash}
+        {
+            "images": len(images),
+            "categories": len(cfg.prompts),
+            "image_size": int(images[0].shape[0]),
+            "checkpoint_hash": pipe.checkpoint_hash,
+        }
+    )
+    fid = cfg.fid
+    metrics.update(
+        image_metrics(
+            images,
+            prompts,
+            categories,
+            cfg.clip_model_path,
+            fid.inception_path,
+            fid.reference_dir,
+            fid.max_reference_images,
+        )
     )
     return metrics
 
@@ -104,6 +141,7 @@ def _run_stage(params: Params, phase: str) -> dict:
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         mlflow.log_artifact(str(out_dir / "grid.png"))
         mlflow.log_artifact(str(out_dir / "probe.json"))
+        mlflow.log_artifacts(str(out_dir / STRIPS), artifact_path=STRIPS)
         mlflow.set_tag("grid", str((out_dir / "grid.png").resolve()))
     log.info("eval grid: %s", (out_dir / "grid.png").resolve())
     return metrics

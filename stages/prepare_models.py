@@ -78,7 +78,7 @@ def demo_words(demo: DemoData, eval_: Eval | None = None) -> list[str]:
         for b in demo.backgrounds
     ]
     if eval_ is not None:
-        text += [*eval_.prompts, eval_.negative_prompt]
+        text += [*eval_.all_prompts, eval_.negative_prompt]
     words = [w.lower() for line in text for w in re.findall(r"[^\W\d_]+", line)]
     return list(dict.fromkeys([*CAPTION_WORDS, *words]))
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from diffusers import UNet2DConditionModel
 
 from model.builders import noise_scheduler
 from model.sampler import ddim_from_training, sample_latents
+from tests.stages.eval_fixtures import DEMO_NOISE
+from tests.stages.eval_fixtures import tiny_unet as tiny_unet_seeded
 
 SD_NOISE = dict(
     num_train_timesteps=1000,
@@ -16,15 +17,24 @@ SD_NOISE = dict(
 )
 
 
-def test_ddim_uses_training_betas_and_never_clamps():
-    ddim = ddim_from_training(dict(noise_scheduler(SD_NOISE).config))
+@pytest.mark.parametrize("noise", [SD_NOISE, DEMO_NOISE], ids=["sd-eps", "zero-snr-v"])
+def test_ddim_uses_training_betas_and_never_clamps(noise):
+    ddim = ddim_from_training(dict(noise_scheduler(noise).config))
     assert ddim.config.clip_sample is False and ddim.config.set_alpha_to_one is False
     assert ddim.config.beta_schedule == "scaled_linear" and ddim.config.beta_end == 0.012
+    assert ddim.config.prediction_type == noise["prediction_type"]
     ddim.set_timesteps(10)
-    t = ddim.timesteps[-1]
-    x = torch.full((1, 4, 2, 2), 4.0)  # SD latents have |x0| ≈ 4: a clamp to [-1, 1] would destroy them
-    out = ddim.step(torch.zeros_like(x), t, x)
-    assert out.pred_original_sample.abs().max().item() > 3.9
+    t = ddim.timesteps[-2]
+    x0 = torch.full((1, 4, 2, 2), 4.0)  # SD latents have |x0| ≈ 4: a clamp to [-1, 1] would destroy them
+    alpha = ddim.alphas_cumprod[t]
+    eps = torch.zeros_like(x0)
+    x_t = alpha.sqrt() * x0 + (1 - alpha).sqrt() * eps
+    model_out = eps if noise["prediction_type"] == "epsilon" else alpha.sqrt() * eps - (1 - alpha).sqrt() * x0
+    out = ddim.step(model_out, t, x_t)
+    torch.testing.assert_close(out.pred_original_sample, x0, rtol=1e-4, atol=1e-4)
+    # η = 0, ε = 0: the next latent is √ᾱ_prev · x0, with x0 = 4 intact (a clamp would give ≤ √ᾱ_prev)
+    torch.testing.assert_close(out.prev_sample, ddim.alphas_cumprod[ddim.timesteps[-1]].sqrt() * x0)
+    assert out.prev_sample.min().item() > 3.5
 
 
 def test_zero_snr_schedule_samples_from_t_max():
@@ -41,17 +51,7 @@ def test_zero_snr_schedule_samples_from_t_max():
 
 @pytest.fixture(scope="module")
 def tiny_unet():
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        block_out_channels=(16, 32),
-        layers_per_block=1,
-        norm_num_groups=8,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=4,
-    ).eval()
+    return tiny_unet_seeded(0)
 
 
 def _sample(unet, cond, uncond, seed=0, guidance=5.0):
