@@ -1,0 +1,447 @@
+"""Kill harness: SIGKILL the demo DAG at random points, rerun, and check that nothing was lost or redone.
+
+``python -m scripts.kill_harness --kills 20 --seed 0`` clones this repository (``git clone`` of
+HEAD) into a temp dir, shrinks ``params.yaml`` with the end-to-end test's profile
+(``tests.test_e2e.shrink``: 2 phases, 96 + 48 images, 30 VAE steps, 8 + 3 training steps,
+checkpoint every 3 steps) and
+
+1. runs ``dvc repro`` once uninterrupted (the reference) and records per-stage durations and hashes;
+2. in a second clone, runs ``dvc repro`` in its own session again and again, each time killing the
+   whole process group (SIGKILL) at the next kill point, until the DAG completes: a kill point
+   is a stage type (``fetch_images``, ``prepare_models``, ``encode_latents``, ``train``,
+   ``eval_grid``, ...) hit at a random fraction of that stage's reference duration after DVC
+   logs ``Running stage '...'``, or ``checkpoint`` (the moment a ``runs/<phase>/checkpoint-*.tmp``
+   directory appears, i.e. inside a checkpoint write), or ``push`` (``dvc push`` to a local
+   remote, killed after a random delay, then pushed again). Kill points left when the DAG has
+   completed roll over into a fresh clone (an *episode*).
+
+After each episode it checks: no stage that DVC had completed ran again (``Running stage`` for a
+stage seen completed in an earlier attempt), the process group is empty after each kill, ``dvc
+status`` and ``dvc status -c`` are clean, every retained training checkpoint verifies against its
+manifest, every latent shard passes ``check_shard``, and the EMA weights and eval grids equal the
+reference byte for byte. The last line is ``RESULT kills=... landed=... corrupt=0 reruns=0
+hash_equal=true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNING = re.compile(r"Running stage '([^']+)'")
+SKIPPED = re.compile(r"Stage '([^']+)' didn't change, skipping")
+RESTORED = re.compile(r"Stage '([^']+)' is cached - skipping run")
+STAGE_TARGETS = ("fetch_images", "prepare_models", "encode_latents", "train", "eval_grid",
+                 "download_metadata", "filter_metadata", "mix_phase", "make_demo_data")
+"""Stage types a kill can be aimed at, most interesting first (resumable or long stages)."""
+SPECIAL_TARGETS = ("checkpoint", "push")
+DEFAULT_ROTATION = ("fetch_images", "prepare_models", "encode_latents", "train", "checkpoint", "eval_grid",
+                    "push", "train", "checkpoint", "mix_phase", "filter_metadata")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(NO_ALBUMENTATIONS_UPDATE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
+               DVC_NO_ANALYTICS="1", SDFORGE_PROGRESS="0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="2")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    for key in ("MLFLOW_TRACKING_URI", "PYTHONPATH"):
+        env.pop(key, None)
+    return env
+
+
+def free_port() -> int:
+    from tests.test_e2e import _free_port
+
+    return _free_port()
+
+
+def tiny_params(params: dict, port: int) -> dict:
+    """The end-to-end test's shrunken demo (2 phases, a few steps each)."""
+    from tests.test_e2e import shrink
+
+    return shrink(params, port)
+
+
+def make_project(dest: Path, port: int, remote: Path | None = None) -> Path:
+    """A ``git clone`` of HEAD at ``dest`` with the tiny params and (optionally) a local DVC remote."""
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(dest)], check=True)
+    params = tiny_params(yaml.safe_load((dest / "params.yaml").read_text()), port)
+    (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    if remote is not None:
+        _dvc(dest, "remote", "add", "--local", "-d", "harness", str(remote))
+    return dest
+
+
+def _dvc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), capture_output=True,
+                          text=True, timeout=1800)
+    if check and proc.returncode != 0:
+        out = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        raise RuntimeError(f"dvc {' '.join(args)} exited {proc.returncode}:\n{out}")
+    return proc
+
+
+def stage_type(stage: str) -> str:
+    return stage.split("@")[0]
+
+
+# -- one `dvc` invocation, possibly killed -------------------------------------------------------
+@dataclass
+class Attempt:
+    lines: list[str] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)
+    """Stages in the order DVC logged ``Running stage``."""
+    skipped: list[str] = field(default_factory=list)
+    rc: int | None = None
+    killed_in: str | None = None
+    """Where the kill landed: the running stage (``+ckpt`` inside a checkpoint write), or ``push``."""
+    killed_at_s: float | None = None
+    leftover_pids: list[int] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> list[str]:
+        """Stages DVC finished (it moved on to the next one, or exited 0 after it) plus skipped ones."""
+        done = list(self.skipped)
+        done += self.ran[:-1]
+        if self.ran and self.rc == 0:
+            done.append(self.ran[-1])
+        return done
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state ppid pgrp ...
+            members.append(int(entry.name))
+    return members
+
+
+def kill_group(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the process group, reap the leader, return PIDs of the group still alive after 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while (left := _group_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def run_killable(root: Path, args: list[str], target: str | None, rng: random.Random,
+                 durations: dict[str, float], log) -> Attempt:
+    """Run ``dvc <args>`` in its own session; kill it at ``target`` (see the module docstring)."""
+    att = Attempt()
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+                            bufsize=1, start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    start = time.monotonic()
+    stage_start = start
+    kill_at: float | None = None
+    if target == "push":
+        kill_at = start + rng.uniform(0.2, 0.9) * durations.get("push", 3.0)
+    runs_dir = root / "runs"
+    while True:
+        now = time.monotonic()
+        current = att.ran[-1] if att.ran else None
+        if target == "checkpoint" and current and stage_type(current) == "train" and runs_dir.is_dir():
+            if _half_written_checkpoints(runs_dir):
+                kill_at = now
+        if kill_at is not None and now >= kill_at:
+            att.killed_in = "push" if target == "push" else f"{current}{'+ckpt' if target == 'checkpoint' else ''}"
+            att.killed_at_s = round(now - stage_start, 2)
+            att.leftover_pids = kill_group(proc)
+            att.rc = proc.returncode
+            if target == "checkpoint" and not _half_written_checkpoints(runs_dir):
+                att.killed_in += "(done)"  # the write had finished (renamed into place) before the kill
+            while (line := _drain(lines)) is not None:
+                att.lines.append(line)
+                if (m := RUNNING.search(line)) and target != "push":  # DVC had moved on before the kill
+                    att.ran.append(m[1])
+                    att.killed_in = m[1]
+            return att
+        try:
+            line = lines.get(timeout=0.01 if target == "checkpoint" else 0.05)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        att.lines.append(line)
+        log(line)
+        if m := RUNNING.search(line):
+            if att.ran:
+                att.stage_seconds[att.ran[-1]] = round(time.monotonic() - stage_start, 2)
+            att.ran.append(m[1])
+            stage_start = time.monotonic()
+            kill_at = None
+            if target not in SPECIAL_TARGETS and stage_type(m[1]) == target:
+                kill_at = stage_start + rng.uniform(0.05, 0.9) * durations.get(m[1], 2.0)
+        elif m := SKIPPED.search(line) or RESTORED.search(line):
+            att.skipped.append(m[1])
+    att.rc = proc.wait()
+    if att.ran:
+        att.stage_seconds[att.ran[-1]] = round(time.monotonic() - stage_start, 2)
+    return att
+
+
+def _half_written_checkpoints(runs_dir: Path) -> list[Path]:
+    """``runs/<phase>/checkpoint-*.tmp``: a checkpoint being written (renamed into place when done)."""
+    try:
+        return [p for d in runs_dir.iterdir() if d.is_dir() for p in d.iterdir() if p.name.endswith(".tmp")]
+    except FileNotFoundError:  # renamed or pruned while listing
+        return []
+
+
+def _drain(lines: queue.Queue) -> str | None:
+    try:
+        return lines.get(timeout=0.5)
+    except queue.Empty:
+        return None
+
+
+# -- checks --------------------------------------------------------------------------------------
+def sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def result_hashes(root: Path) -> dict[str, str]:
+    """sha256 of each phase's EMA (and live) safetensors and eval grid PNG."""
+    out = {}
+    for phase_dir in sorted((root / "checkpoints").iterdir()):
+        if phase_dir.name == "scratch":
+            continue
+        for f in sorted(phase_dir.glob("unet*/*.safetensors")):
+            out[f.relative_to(root).as_posix()] = sha256(f)
+    for grid in sorted((root / "eval").glob("*/grid.png")):
+        out[grid.relative_to(root).as_posix()] = sha256(grid)
+    return out
+
+
+def lock_outs(root: Path) -> dict[str, str]:
+    """Every DVC output's md5 from ``dvc.lock`` (metrics JSONs excluded: they hold timings)."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    outs = {}
+    for name, stage in lock["stages"].items():
+        for out in stage.get("outs", []):
+            if not out["path"].startswith("metrics/"):
+                outs[f"{name}:{out['path']}"] = out["md5"]
+    return outs
+
+
+def corrupt_artifacts(root: Path) -> list[str]:
+    """Problems found: DVC status not clean, a checkpoint failing its manifest, a bad latent shard."""
+    sys.path.insert(0, str(REPO))
+    from stages.checkpoints import CheckpointError, checkpoint_dirs, verify_checkpoint
+    from stages.latent_store import check_shard
+
+    problems = []
+    status = _dvc(root, "status", "--json").stdout.strip()
+    if json.loads(status or "{}"):
+        problems.append(f"dvc status not clean: {status[:500]}")
+    cloud = _dvc(root, "status", "-c", "--json", check=False)
+    if cloud.returncode != 0 or json.loads(cloud.stdout.strip() or "{}"):
+        problems.append(f"dvc status -c not clean: {(cloud.stdout + cloud.stderr)[:500]}")
+    for run_dir in sorted((root / "runs").glob("*")):
+        for ckpt in checkpoint_dirs(run_dir):
+            try:
+                verify_checkpoint(ckpt)
+            except CheckpointError as err:
+                problems.append(str(err))
+    for src in sorted((root / "data/latents").glob("*")):
+        for part in sorted(src.glob("shard-*.parquet")):
+            try:
+                check_shard(src, int(part.stem.split("-")[1]))
+            except Exception as err:  # noqa: BLE001 - any failure is a corrupt shard
+                problems.append(f"{part}: {err}")
+    return problems
+
+
+# -- the harness ---------------------------------------------------------------------------------
+@dataclass
+class Kill:
+    episode: int
+    target: str
+    landed: str
+    after_s: float
+    leftover: int
+
+
+@dataclass
+class Episode:
+    kills: list[Kill] = field(default_factory=list)
+    reruns: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    hash_diff: list[str] = field(default_factory=list)
+    lock_diff: list[str] = field(default_factory=list)
+    attempts: int = 0
+
+
+def reference(workdir: Path, log) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    root = make_project(workdir / "reference", free_port(), remote=workdir / "reference-remote")
+    att = run_killable(root, ["repro"], None, random.Random(0), {}, log)
+    if att.rc != 0:
+        raise RuntimeError("reference dvc repro failed:\n" + "\n".join(att.lines[-60:]))
+    durations = dict(att.stage_seconds)
+    t = time.monotonic()
+    _dvc(root, "push")
+    durations["push"] = time.monotonic() - t
+    return durations, result_hashes(root), lock_outs(root)
+
+
+def run_episode(index: int, targets: collections.deque, workdir: Path, rng: random.Random,
+                durations: dict[str, float], ref_hashes: dict[str, str], ref_outs: dict[str, str], log) -> Episode:
+    ep = Episode()
+    root = make_project(workdir / f"episode{index}", free_port(), remote=workdir / f"episode{index}-remote")
+    completed: set[str] = set()
+    done = False
+    while not done:
+        target = targets[0] if targets else None
+        if target == "push":
+            target = None  # pushed once the DAG is complete
+        att = run_killable(root, ["repro"], target, rng, durations, log)
+        ep.attempts += 1
+        ep.reruns += [s for s in att.ran if s in completed]
+        completed.update(att.completed)
+        if att.killed_in is not None:
+            targets.popleft()
+            ep.kills.append(Kill(index, target, att.killed_in, att.killed_at_s, len(att.leftover_pids)))
+            log(f"### kill {target!r} landed in {att.killed_in} after {att.killed_at_s} s")
+            continue
+        if att.rc != 0:
+            raise RuntimeError(f"episode {index}: dvc repro exited {att.rc}:\n" + "\n".join(att.lines[-60:]))
+        done = True
+    while targets and targets[0] == "push":
+        att = run_killable(root, ["push"], "push", rng, durations, log)
+        if att.killed_in is None:
+            log("### push finished before its kill point")
+            break
+        targets.popleft()
+        ep.kills.append(Kill(index, "push", "push", att.killed_at_s, len(att.leftover_pids)))
+    _dvc(root, "push")
+    final = run_killable(root, ["repro"], None, rng, durations, log)
+    ep.reruns += final.ran
+    ep.corrupt = corrupt_artifacts(root)
+    hashes = result_hashes(root)
+    ep.hash_diff = sorted(k for k in ref_hashes.keys() | hashes.keys() if ref_hashes.get(k) != hashes.get(k))
+    outs = lock_outs(root)
+    ep.lock_diff = sorted(k for k in ref_outs.keys() | outs.keys() if ref_outs.get(k) != outs.get(k))
+    return ep
+
+
+def plan(kills: int) -> collections.deque:
+    """``kills`` targets, taken round-robin from :data:`DEFAULT_ROTATION` (so every kind is hit)."""
+    return collections.deque(DEFAULT_ROTATION[i % len(DEFAULT_ROTATION)] for i in range(kills))
+
+
+def order_targets(targets: collections.deque, order: list[str]) -> collections.deque:
+    """Targets in DAG order (stage types by first appearance in the reference run), ``push`` last."""
+    rank = {t: i for i, t in enumerate(dict.fromkeys(stage_type(s) for s in order))}
+    rank["checkpoint"] = rank.get("train", 0) + 0.5
+    rank["push"] = len(rank) + 1
+    return collections.deque(sorted(targets, key=lambda t: rank.get(t, 0)))
+
+
+def summarize(episodes: list[Episode], seconds: float) -> tuple[str, bool]:
+    kills = [k for ep in episodes for k in ep.kills]
+    rows = ["episode  target          landed in                       after_s  leftover_pids"]
+    rows += [f"{k.episode:>7}  {k.target:<14}  {k.landed:<30}  {k.after_s:>7}  {k.leftover:>13}" for k in kills]
+    by_stage = collections.Counter(stage_type(k.landed.split("+")[0]) + ("+ckpt" if "+ckpt" in k.landed else "")
+                                   for k in kills)
+    reruns = [r for ep in episodes for r in ep.reruns]
+    corrupt = [c for ep in episodes for c in ep.corrupt]
+    hash_diff = [d for ep in episodes for d in ep.hash_diff]
+    lock_diff = sorted({d for ep in episodes for d in ep.lock_diff})
+    leftover = sum(k.leftover for k in kills)
+    rows.append("")
+    rows.append(f"episodes: {len(episodes)}, dvc repro attempts: {sum(ep.attempts for ep in episodes)}, "
+                f"wall time {seconds:.0f} s")
+    rows.append(f"landed by stage: {dict(sorted(by_stage.items()))}")
+    rows.append(f"completed stages rerun: {reruns or 'none'}")
+    rows.append(f"corrupt artifacts: {corrupt or 'none'}")
+    rows.append(f"EMA/grid hashes differing from the uninterrupted run: {hash_diff or 'none'}")
+    rows.append(f"other DVC outputs differing (dvc.lock md5): {lock_diff or 'none'}")
+    ok = not reruns and not corrupt and not hash_diff and leftover == 0
+    landed = ",".join(f"{k}:{v}" for k, v in sorted(by_stage.items()))
+    rows.append(f"RESULT kills={len(kills)} landed={landed} corrupt={len(corrupt)} reruns={len(reruns)} "
+                f"leftover_pids={leftover} hash_equal={str(not hash_diff).lower()} ok={str(ok).lower()}")
+    return "\n".join(rows), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--targets", nargs="*", help=f"kill points (default: a rotation of {DEFAULT_ROTATION})",
+                    choices=STAGE_TARGETS + SPECIAL_TARGETS)
+    ap.add_argument("--workdir", type=Path, help="keep the projects here (default: a temp dir, deleted)")
+    ap.add_argument("--max-episodes", type=int, default=10)
+    ap.add_argument("-v", "--verbose", action="store_true", help="echo dvc's output")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    log = print if args.verbose else (lambda line: print(line) if line.startswith(("###", "Running stage")) else None)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kill-harness-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        print(f"### reference run in {workdir / 'reference'}", flush=True)
+        durations, ref_hashes, ref_outs = reference(workdir, log)
+        print(f"### reference stage durations (s): {json.dumps(durations)}", flush=True)
+        order = list(durations)
+        targets = collections.deque(args.targets) if args.targets else plan(args.kills)
+        episodes: list[Episode] = []
+        while targets and len(episodes) < args.max_episodes:
+            block = order_targets(targets, order)
+            before = len(block)
+            ep = run_episode(len(episodes), block, workdir, rng, durations, ref_hashes, ref_outs, log)
+            episodes.append(ep)
+            targets = block
+            print(f"### episode {len(episodes) - 1}: {len(ep.kills)} kills, {len(ep.reruns)} reruns, "
+                  f"{len(ep.corrupt)} corrupt, hash diff {ep.hash_diff}", flush=True)
+            if len(block) == before:
+                break  # no kill point could be hit (stage too short?)
+        report, ok = summarize(episodes, time.monotonic() - start)
+        print(report, flush=True)
+        return 0 if ok else 1
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""scripts.kill_harness: SIGKILL ``dvc repro`` mid-stage, rerun, nothing completed reruns, nothing is left behind.
+
+The fast test drives the harness's kill machinery on a three-stage project (a resumable middle
+stage); the slow one runs the harness itself on the real (shrunken) DAG with a few kill points.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from scripts import kill_harness as kh
+
+# `count` appends one line per 0.2 s to counts.txt up to 15 and resumes from what is there
+COUNT = textwrap.dedent("""\
+    import pathlib, time
+    p = pathlib.Path("counts.txt")
+    done = len(p.read_text().splitlines()) if p.exists() else 0
+    for i in range(done, 15):
+        with p.open("a") as f:
+            f.write(f"{i}\\n")
+        time.sleep(0.2)
+    pathlib.Path("counted.txt").write_text(p.read_text())
+""")
+DVC_YAML = textwrap.dedent("""\
+    stages:
+      first:
+        cmd: echo first > first.txt
+        outs: [first.txt]
+      count:
+        cmd: python count.py
+        deps: [first.txt, count.py]
+        outs: [counted.txt]
+      last:
+        cmd: cat counted.txt > last.txt
+        deps: [counted.txt]
+        outs: [last.txt]
+""")
+
+
+@pytest.fixture
+def mini(tmp_path: Path) -> Path:
+    (tmp_path / "dvc.yaml").write_text(DVC_YAML)
+    (tmp_path / "count.py").write_text(COUNT)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    kh._dvc(tmp_path, "init", "-q")
+    return tmp_path
+
+
+def test_kill_mid_stage_then_rerun_skips_completed_and_finishes(mini):
+    rng = random.Random(0)
+    durations = {"count": 3.0}
+    killed = kh.run_killable(mini, ["repro"], "count", rng, durations, log=lambda _: None)
+    assert killed.killed_in == "count" and killed.leftover_pids == []
+    assert killed.ran == ["first", "count"] and killed.completed == ["first"]
+    partial = (mini / "counts.txt").read_text().splitlines()
+    assert 0 < len(partial) < 15 and not (mini / "counted.txt").exists()
+
+    again = kh.run_killable(mini, ["repro"], None, rng, durations, log=lambda _: None)
+    assert again.rc == 0 and again.killed_in is None
+    assert again.skipped == ["first"] and again.ran == ["count", "last"]  # completed `first` not rerun
+    assert (mini / "last.txt").read_text().splitlines() == [str(i) for i in range(15)]  # resumed, not restarted
+    assert kh._dvc(mini, "status", "--json").stdout.strip() in ("{}", "")
+
+
+def test_summary_line_counts_kills_by_stage():
+    ep = kh.Episode(kills=[kh.Kill(0, "train", "train@phase1", 1.0, 0),
+                           kh.Kill(0, "checkpoint", "train@phase2+ckpt", 0.5, 0),
+                           kh.Kill(0, "push", "push", 0.3, 0)])
+    report, ok = kh.summarize([ep], 10.0)
+    assert ok
+    assert report.splitlines()[-1] == ("RESULT kills=3 landed=push:1,train:1,train+ckpt:1 corrupt=0 reruns=0 "
+                                       "leftover_pids=0 hash_equal=true ok=true")
+    ep.reruns.append("prepare_models")
+    assert kh.summarize([ep], 10.0)[1] is False
+
+
+@pytest.mark.slow
+def test_harness_on_the_shrunken_dag(tmp_path):
+    """Reference run, then kills inside fetch, train and a checkpoint write, and a killed push."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.kill_harness", "--seed", "1", "--workdir", str(tmp_path),
+         "--targets", "fetch_images", "train", "checkpoint", "push"],
+        cwd=kh.REPO, capture_output=True, text=True, timeout=1800,
+    )
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert last.startswith("RESULT kills=4 ") and "corrupt=0 reruns=0" in last and "hash_equal=true" in last
