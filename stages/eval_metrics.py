@@ -59,7 +59,7 @@ def inception_features(model: torch.nn.Module, images: list[np.ndarray], batch_s
     """``[N, D]`` float64 features; images are fed as N×3×H×W float32 in 0..255 (the NVlabs convention)."""
     feats = []
     for start in range(0, len(images), batch_size):
-        x = torch.stack([torch.from_numpy(np.ascontiguousarray(i)) for i in images[start : start + batch_size]])
+        x = torch.stack([torch.tensor(np.asarray(i)) for i in images[start : start + batch_size]])
         x = x.permute(0, 3, 1, 2).float()
         feats.append(model(x, return_features=True).double().cpu().numpy())
     return np.concatenate(feats)
@@ -73,7 +73,7 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
         raise ValueError(f"FID needs at least 2 images per set; got {len(a)} and {len(b)}")
     mu_a, mu_b = a.mean(0), b.mean(0)
     sigma_a, sigma_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-    covmean, _ = linalg.sqrtm(sigma_a @ sigma_b, disp=False)
+    covmean = linalg.sqrtm(sigma_a @ sigma_b)
     if not np.isfinite(covmean).all():  # singular product (few images): regularise as pytorch-fid does
         eps = np.eye(len(mu_a)) * 1e-6
         covmean = linalg.sqrtm((sigma_a + eps) @ (sigma_b + eps))
