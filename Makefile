@@ -3,7 +3,8 @@
 #   make demo         build the venv if needed, run the whole DVC pipeline, print where the results are
 #   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
-#   make stack-down   stop the worker (SIGINT first), then the server
+#   make stack-up-s3  the same + MLflow server (artifacts on S3) + moto's S3 server on loopback (local test)
+#   make stack-down   stop the worker (SIGINT first), then MLflow, the server, S3
 #   make run-phase PHASE=phase7   run a deployment through the stack and watch it
 #   make mlflow-ui    MLflow UI on http://127.0.0.1:5000 over sqlite:///mlflow.db
 
@@ -33,7 +34,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo test test-all lint stack-up stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -79,6 +80,9 @@ test-all: venv lint
 
 stack-up: venv
 	$(PY) -m flows.stack up
+
+stack-up-s3: venv
+	$(PY) -m flows.stack up --with-s3 --mlflow
 
 stack-down:
 	@if [ -x $(PY) ]; then $(PY) -m flows.stack down; else echo "no $(VENV): nothing to stop"; fi

@@ -1,9 +1,18 @@
-"""The local Prefect stack: server (SQLite under PREFECT_HOME), work pool, deployments, process worker.
+"""The local stack: Prefect server (SQLite under PREFECT_HOME), work pool, deployments, process worker;
+optionally an MLflow server with its artifacts on S3 and, for local testing, moto's S3 server.
 
     python -m flows.stack up       # what `make stack-up` runs; idempotent
-    python -m flows.stack down     # worker first (SIGINT), then the server
+    python -m flows.stack up --with-s3 --mlflow   # `make stack-up-s3`: + moto S3 on loopback + MLflow server
+    python -m flows.stack down     # worker first (SIGINT), then MLflow, the Prefect server, S3
     python -m flows.stack status
     python -m flows.stack run --phase phase7   # prefect deployment run 'train-phase/phase7' --watch
+
+``--with-s3`` starts ``moto`` on 127.0.0.1:``--s3-port``, gives the stack's processes moto's dummy
+credentials and ``AWS_ENDPOINT_URL`` (boto3, DVC and MLflow all honour it), creates the buckets and,
+when params.yaml names no ``storage.dvc_remote``, makes ``s3://sdforge/dvcstore`` the default DVC
+remote in ``.dvc/config.local``. Without it, S3 is whatever the AWS chain of this shell reaches.
+``--mlflow`` starts ``mlflow server --artifacts-destination <storage.mlflow_artifacts>`` (credentials
+on the server side only; clients need just ``MLFLOW_TRACKING_URI``, which the worker gets).
 
 Pid files, logs and an ``env`` file to ``source`` live in ``.stack/`` (git-ignored). The tests
 start the same stack on a free port against a temporary project.
@@ -24,6 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "local-process"
 FLOW = "train-phase"
+LOCAL_BUCKET = "sdforge"
+"""The bucket ``--with-s3`` creates when params.yaml names none."""
+MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+"""moto accepts any credentials; these dummies are set only when the shell has none."""
+PROCESS_MARKERS = {"server": b"prefect", "worker": b"prefect", "mlflow": b"mlflow", "s3": b"moto"}
+"""What the command line of each stack process contains (a pid file whose pid was reused is ignored)."""
 
 OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -111,11 +126,35 @@ class Stack:
     port: int = 4200
     pool: str = POOL
     query_seconds: float = 2.0
+    with_s3: bool = False
+    s3_port: int = 5900
+    with_mlflow: bool = False
+    mlflow_port: int = 5000
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
     def api_url(self) -> str:
         return f"http://{self.host}:{self.port}/api"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://{self.host}:{self.s3_port}"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.host}:{self.mlflow_port}"
+
+    def storage(self):
+        """params.yaml's ``storage:`` section, with ``--with-s3``'s local defaults filled in."""
+        from stages.config import load_params
+
+        storage = load_params(self.root / "params.yaml").storage
+        if self.with_s3:
+            storage = storage.model_copy(update={
+                "dvc_remote": storage.dvc_remote or f"s3://{LOCAL_BUCKET}/dvcstore",
+                "mlflow_artifacts": storage.mlflow_artifacts or f"s3://{LOCAL_BUCKET}/mlflow",
+            })
+        return storage
 
     def env(self) -> dict[str, str]:
         """Environment of every process of the stack (and of the flow runs the worker starts)."""
@@ -129,6 +168,13 @@ class Stack:
             PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
             PYTHONUNBUFFERED="1",
         )
+        if self.with_s3:
+            env["AWS_ENDPOINT_URL"] = self.s3_endpoint
+            env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+            if not env.get("AWS_ACCESS_KEY_ID"):
+                env.update(MOTO_CREDENTIALS)
+        if self.with_mlflow:
+            env["MLFLOW_TRACKING_URI"] = self.mlflow_url
         return env
 
     def prefect(self, *args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
@@ -156,19 +202,19 @@ class Stack:
         if not _alive(pid):
             return None
         try:
-            if b"prefect" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if PROCESS_MARKERS.get(name, b"prefect") not in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return None  # pid reused by something else
         except OSError:
             pass
         return pid
 
-    def _spawn(self, name: str, *args: str) -> int:
+    def _spawn(self, name: str, *args: str, module: str = "prefect", env: dict[str, str] | None = None) -> int:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.home.mkdir(parents=True, exist_ok=True)
         log = (self.state_dir / f"{name}.log").open("ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", *args],
-            cwd=self.root, env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", module, *args],
+            cwd=self.root, env=env or self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_restore_sigint,
         )
         log.close()
@@ -176,12 +222,68 @@ class Stack:
         self._pidfile(name).write_text(f"{proc.pid}\n")
         return proc.pid
 
-    def healthy(self) -> bool:
+    def healthy(self, url: str | None = None) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as resp:
+            with urllib.request.urlopen(url or f"{self.api_url}/health", timeout=2) as resp:
                 return resp.status == 200
         except OSError:
             return False
+
+    def _wait_healthy(self, name: str, pid: int, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy(url):
+            if not _alive(pid):
+                raise StackError(f"{name} exited; see {self.state_dir / f'{name}.log'}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{name} not healthy after {timeout_s:g} s; see {name}.log")
+            time.sleep(0.5)
+
+    def start_s3(self, timeout_s: float = 60.0) -> None:
+        """moto's standalone S3 server on loopback (local testing only), then the buckets params name."""
+        url = f"{self.s3_endpoint}/moto-api/"
+        if not (self.pid("s3") and self.healthy(url)):
+            if self.healthy(url):
+                raise StackError(f"something else already serves {self.s3_endpoint}; pick another --s3-port")
+            pid = self._spawn("s3", "-H", self.host, "-p", str(self.s3_port), module="moto.server")
+            self._wait_healthy("s3", pid, url, timeout_s)
+        self.ensure_buckets()
+
+    def ensure_buckets(self) -> None:
+        import boto3
+
+        from stages.s3_checkpoints import split_s3_url
+
+        storage = self.storage()
+        env = self.env()
+        s3 = boto3.client(
+            "s3", endpoint_url=self.s3_endpoint, region_name=env["AWS_DEFAULT_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+        )
+        for url in filter(None, (storage.dvc_remote, storage.mlflow_artifacts)):
+            bucket = split_s3_url(url)[0]
+            if bucket not in {b["Name"] for b in s3.list_buckets().get("Buckets", [])}:
+                s3.create_bucket(Bucket=bucket)
+
+    def configure_dvc_remote(self) -> None:
+        from flows.dvc_remote import configure_remote
+
+        configure_remote(self.root, self.storage())
+
+    def start_mlflow(self, timeout_s: float = 90.0) -> None:
+        """``mlflow server`` on loopback: runs in SQLite under .stack/, artifacts proxied to S3."""
+        if self.pid("mlflow") and self.healthy(f"{self.mlflow_url}/health"):
+            return
+        dest = self.storage().mlflow_artifacts or str(self.state_dir / "mlartifacts")
+        env = self.env()
+        env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # 0.55 GB instead of 2.7 GB RSS
+        if env.get("AWS_ENDPOINT_URL"):
+            env["MLFLOW_S3_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"]
+        backend = f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+        pid = self._spawn(
+            "mlflow", "server", "--host", self.host, "--port", str(self.mlflow_port), "--workers", "1",
+            "--backend-store-uri", backend, "--artifacts-destination", dest, module="mlflow", env=env,
+        )
+        self._wait_healthy("mlflow", pid, f"{self.mlflow_url}/health", timeout_s)
 
     def start_server(self, timeout_s: float = 90.0) -> None:
         if self.pid("server") and self.healthy():
@@ -214,15 +316,23 @@ class Stack:
         self._spawn("worker", "worker", "start", "--pool", self.pool, "--type", "process")
 
     def write_env_file(self) -> Path:
+        """``.stack/env``: the stack's URLs for a shell (never credentials: moto's dummies are its own)."""
         path = self.state_dir / "env"
-        path.write_text(
-            f"export PREFECT_API_URL={self.api_url}\nexport PREFECT_HOME={self.home}\n"
-            f"export SDFORGE_ROOT={self.root}\n"
-        )
+        lines = [f"PREFECT_API_URL={self.api_url}", f"PREFECT_HOME={self.home}", f"SDFORGE_ROOT={self.root}"]
+        if self.with_s3:
+            lines.append(f"AWS_ENDPOINT_URL={self.s3_endpoint}")
+        if self.with_mlflow:
+            lines.append(f"MLFLOW_TRACKING_URI={self.mlflow_url}")
+        path.write_text("".join(f"export {line}\n" for line in lines))
         return path
 
     def up(self, *deployments: str) -> None:
         t0 = time.monotonic()
+        if self.with_s3:
+            self.start_s3()
+            self.configure_dvc_remote()
+        if self.with_mlflow:
+            self.start_mlflow()
         self.start_server()
         self.ensure_pool()
         self.deploy(*deployments)
@@ -243,7 +353,9 @@ class Stack:
     def down(self) -> None:
         # Worker first and with SIGINT: a worker sent SIGTERM after its server died kept running.
         self.stop("worker", grace_s=20.0)
-        self.stop("server", grace_s=15.0)
+        for name in ("mlflow", "server", "s3"):
+            if name == "server" or self.pid(name):
+                self.stop(name, grace_s=15.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,10 +363,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=["up", "down", "status", "run"])
     ap.add_argument("--port", type=int, default=int(os.environ.get("SDFORGE_PREFECT_PORT", "4200")))
     ap.add_argument("--phase", default="phase7", help="for `run`: the train-phase deployment")
+    ap.add_argument("--with-s3", action="store_true", help="moto's S3 server on loopback (local testing)")
+    ap.add_argument("--s3-port", type=int, default=int(os.environ.get("SDFORGE_S3_PORT", "5900")))
+    ap.add_argument("--mlflow", action="store_true", help="MLflow server, artifacts to storage.mlflow_artifacts")
+    ap.add_argument("--mlflow-port", type=int, default=int(os.environ.get("SDFORGE_MLFLOW_PORT", "5000")))
     args = ap.parse_args(argv)
-    stack = Stack(port=args.port)
+    stack = Stack(
+        port=args.port, with_s3=args.with_s3, s3_port=args.s3_port, with_mlflow=args.mlflow,
+        mlflow_port=args.mlflow_port,
+    )
     if args.command == "up":
         stack.up()
+        if stack.with_s3:
+            print(f"S3 (moto):   {stack.s3_endpoint}   DVC remote: {stack.storage().dvc_remote}")
+        if stack.with_mlflow:
+            print(f"MLflow UI:   {stack.mlflow_url}   artifacts: {stack.storage().mlflow_artifacts or 'local'}")
         print(
             f"Prefect UI:  http://{stack.host}:{stack.port}   (logs: {stack.state_dir}/server.log, worker.log)\n"
             f"In a shell:  source {stack.state_dir / 'env'}\n"
@@ -264,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "down":
         stack.down()
     elif args.command == "status":
-        for name in ("server", "worker"):
+        for name in ("server", "worker", "mlflow", "s3"):
             pid = stack.pid(name)
             print(f"{name}: " + (f"running (pid {pid})" if pid else "not running"))
         print(f"api {stack.api_url}: {'healthy' if stack.healthy() else 'not answering'}")

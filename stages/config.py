@@ -62,6 +62,34 @@ class Tracking(Section):
     experiment: str = "sdforge"
 
 
+class Storage(Section):
+    """S3 (or S3-compatible) storage shared by every machine. URLs only: credentials come from the
+    standard AWS chain (environment, ~/.aws, the pod's role) and are never written to params or repo.
+    Checkpoints go to ``train.checkpoint_s3`` (a param of the train stage)."""
+
+    dvc_remote: str | None = None
+    """``s3://bucket/prefix``: the default DVC remote (set in ``.dvc/config.local`` by the flows)."""
+    remote_name: str = "storage"
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint (MinIO, moto, R2) for DVC; boto3 (checkpoints) reads ``AWS_ENDPOINT_URL``."""
+    mlflow_artifacts: str | None = None
+    """``s3://bucket/prefix``: ``--artifacts-destination`` of the MLflow server ``flows.stack up --mlflow`` starts."""
+
+    @field_validator("dvc_remote", "mlflow_artifacts")
+    @classmethod
+    def _s3_url(cls, url: str | None) -> str | None:
+        if url is not None and (not url.startswith("s3://") or len(url) <= 5):
+            raise ValueError(f"expected an s3://bucket/prefix URL; got {url!r}")
+        return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_userinfo(cls, url: str | None) -> str | None:
+        if url is not None and "@" in url.split("//", 1)[-1].split("/", 1)[0]:
+            raise ValueError("endpoint_url must not carry credentials (user:secret@host); use the AWS chain")
+        return url
+
+
 class DemoData(Section):
     """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
 
@@ -554,6 +582,7 @@ class Params(Section):
 
     paths: Paths
     tracking: Tracking = Tracking()
+    storage: Storage = Storage()
     demo: DemoData
     sources: dict[str, Source]
     models: Models

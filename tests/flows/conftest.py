@@ -119,3 +119,137 @@ def prefect_api(prefect_stack):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_stack.api_url, PREFECT_HOME: prefect_stack.home}):
         yield prefect_stack.api_url
+
+
+# --- a tiny project whose every stage has deps (so DVC's run cache can restore it) and whose train
+# stage checkpoints to S3 and resumes from there, like stages/train.py with train.checkpoint_s3 ---------
+REMOTE_DVC_YAML = textwrap.dedent(
+    """\
+    stages:
+      prepare:
+        cmd: python fake_stage.py prepare
+        deps: [fake_stage.py]
+        outs: [prepared.txt]
+        metrics:
+          - metrics/prepare.json:
+              cache: false
+      mix_phase:
+        foreach: ${phases}
+        do:
+          cmd: python fake_stage.py mix_phase ${key}
+          deps:
+            - fake_stage.py
+            - prepared.txt
+          outs:
+            - mix-${key}.txt
+          metrics:
+            - metrics/mix_phase/${key}.json:
+                cache: false
+      train:
+        foreach: ${phases}
+        do:
+          cmd: python fake_stage.py train ${key}
+          deps:
+            - fake_stage.py
+            - mix-${key}.txt
+          params: [train]
+          outs:
+            - model-${key}.txt
+          metrics:
+            - metrics/train/${key}.json:
+                cache: false
+      eval_grid:
+        foreach: ${phases}
+        do:
+          cmd: python fake_stage.py eval_grid ${key}
+          deps:
+            - fake_stage.py
+            - model-${key}.txt
+          outs:
+            - grid-${key}.txt
+          metrics:
+            - metrics/eval_grid/${key}.json:
+                cache: false
+    """
+)
+
+FAKE_STAGE = textwrap.dedent(
+    """\
+    '''Stand-ins for the real stages. Each appends its name to ran.log (untracked: what ran *here*).
+    train: TRAIN_STEPS checkpoints like stages/train.py, each uploaded to train.checkpoint_s3 at once,
+    resuming from the newest of local disk and S3; FAKE_TRAIN_DIE_AT=N SIGKILLs it after step N.'''
+    import json, os, signal, sys
+    from pathlib import Path
+
+    sys.path.insert(0, {repo!r})
+    TRAIN_STEPS = 4
+    stage, item = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    with open("ran.log", "a") as log:
+        log.write(f"{{stage}}@{{item}}\\n" if item else f"{{stage}}\\n")
+    metrics_file = Path("metrics") / (f"{{stage}}/{{item}}.json" if item else f"{{stage}}.json")
+    metrics_file.parent.mkdir(parents=True, exist_ok=True)
+    if stage == "prepare":
+        Path("prepared.txt").write_text("prepared\\n")
+        metrics = {{"rows": 3}}
+    elif stage == "mix_phase":
+        Path(f"mix-{{item}}.txt").write_text(Path("prepared.txt").read_text() + f"mix {{item}}\\n")
+        metrics = {{"samples": 3}}
+    elif stage == "train":
+        from stages.checkpoints import resume_point
+        from stages.config import load_params
+        from stages.s3_checkpoints import RemoteRun, run_url
+        from stages.tracking import log_stage
+        from tests.stages.test_checkpoints import save
+
+        params = load_params("params.yaml")
+        s3_url, run_dir = params.train.checkpoint_s3, Path("runs") / item
+        found = resume_point(run_dir, s3_url=s3_url)
+        start = int(found[1]["v"].item()) if found else 0
+        die_at = int(os.environ.get("FAKE_TRAIN_DIE_AT", "0"))
+        for step in range(start + 1, TRAIN_STEPS + 1):
+            RemoteRun(run_url(s3_url, run_dir)).upload(save(run_dir, step))
+            if step == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        Path(f"model-{{item}}.txt").write_text(f"model {{item}} after {{TRAIN_STEPS}} steps\\n")
+        metrics = {{"resumed_from_step": start, "steps": TRAIN_STEPS}}
+        if os.environ.get("FAKE_TRAIN_MLFLOW"):
+            log_stage(params.tracking, item, f"train@{{item}}", metrics, params=params.model_dump())
+    else:
+        Path(f"grid-{{item}}.txt").write_text(Path(f"model-{{item}}.txt").read_text() + "grid\\n")
+        metrics = {{"score": 0.5}}
+    metrics_file.write_text(json.dumps(metrics))
+    """
+)
+
+
+def make_remote_project(path: Path, moto_s3, phases: tuple[str, ...] = MINI_PHASES) -> Path:
+    """A committed git + DVC project (REMOTE_DVC_YAML) whose params name ``moto_s3`` as DVC remote and
+    checkpoint store. Credentials stay in the environment (the moto fixture's AWS chain)."""
+    make_mini_project(path, REMOTE_DVC_YAML)
+    (path / "fake_stage.py").write_text(FAKE_STAGE.format(repo=str(REPO)))
+    params = yaml.safe_load((path / "params.yaml").read_text())
+    params["phases"] = {k: v for k, v in params["phases"].items() if k in phases}
+    params["storage"] = {
+        "dvc_remote": moto_s3.url("dvcstore"),
+        "endpoint_url": moto_s3.endpoint,
+        "mlflow_artifacts": moto_s3.url("mlflow"),
+    }
+    params["train"]["checkpoint_s3"] = moto_s3.url("ckpts")
+    params["tracking"]["mlflow_uri"] = f"sqlite:///{path / 'mlflow.db'}"
+    (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (path / ".gitignore").write_text("/ran.log\n/runs/\n/mlflow.db\n/mlruns/\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "-A"], cwd=path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "project"], cwd=path, check=True)
+    return path
+
+
+def fresh_clone(project: Path, dest: Path) -> Path:
+    """What a new pod has: the git repo only (no DVC cache, no outputs, no dvc.lock unless committed)."""
+    subprocess.run(["git", "clone", "-q", str(project), str(dest)], check=True)
+    return dest
+
+
+def ran_here(project: Path) -> list[str]:
+    log = project / "ran.log"
+    return log.read_text().split() if log.exists() else []

@@ -1,0 +1,152 @@
+"""The DVC remote on S3: configure it from params, push a finished stage, restore one on a fresh clone.
+
+    python -m flows.dvc_remote configure          # from params.yaml storage:; prints `remote NAME` or `none`
+    python -m flows.dvc_remote push STAGE         # the stage's outputs + its run-cache entry
+    python -m flows.dvc_remote sync-run-cache     # the remote's run-cache entries (small files) to .dvc/cache
+    python -m flows.dvc_remote restore STAGE      # prints pulled / current / absent
+
+Credentials never pass through here: DVC (s3fs/botocore) takes them from the standard AWS chain
+(environment, ~/.aws, the pod's role). The remote goes into ``.dvc/config.local`` (git-ignored), so a
+fresh clone gets it from ``params.yaml`` by running ``configure`` (the flows do that first). A default
+remote set otherwise (``dvc remote add -d --local``, e.g. by ``flows.stack up --with-s3``) is used too.
+
+Why the run cache: a pod that dies takes its ``dvc.lock`` with it, so a fresh clone knows no output
+hashes. DVC's run cache is keyed by a stage's command, deps and params, which a clone has; pushing it
+with each stage lets a clone find that stage's outputs again. ``dvc push --run-cache`` (DVC 3.67)
+uploads the entry and the workspace outputs but not the objects of ``cache: false`` outputs (the
+metrics JSONs) that the entry lists — without them ``dvc repro --pull`` reruns the stage — so
+:func:`push_stage` uploads those objects too. :func:`restore_stage` does what ``dvc repro --pull``
+does for one stage, without running it: pull the lock's outputs if the lock still matches, else
+check out the run-cache entry's outputs (the following ``dvc repro --single-item`` then reports
+"is cached - skipping run" and writes the lock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from stages.config import Storage, load_params
+
+RESTORE_STATUSES = ("current", "pulled", "absent")
+"""``current``: outputs up to date, nothing to do; ``pulled``: outputs downloaded from the remote;
+``absent``: the remote has nothing for this stage's inputs (it will run)."""
+
+
+def _dvc(root: Path, *args: str) -> None:
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=root, env=env, text=True, capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"dvc {' '.join(args)} exited {proc.returncode}: {proc.stdout}{proc.stderr}".strip())
+
+
+def configure_remote(root: str | Path, storage: Storage) -> bool:
+    """Make ``storage.dvc_remote`` the default DVC remote of ``root`` in ``.dvc/config.local``.
+
+    Returns False (and changes nothing) when no remote is configured. Idempotent.
+    """
+    if not storage.dvc_remote:
+        return False
+    root = Path(root)
+    name = storage.remote_name
+    _dvc(root, "remote", "add", "--local", "--force", "--default", name, storage.dvc_remote)
+    if storage.endpoint_url:
+        _dvc(root, "remote", "modify", "--local", name, "endpointurl", storage.endpoint_url)
+    return True
+
+
+def default_remote(root: str | Path) -> str | None:
+    """The name of the default DVC remote of ``root`` (from any config level), else None."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return repo.config["core"].get("remote")
+
+
+def _stage(repo, target: str):
+    stages = repo.stage.collect(target)
+    if len(stages) != 1:
+        raise KeyError(f"{target!r} names {len(stages)} stages; expected exactly one")
+    return stages[0]
+
+
+def push_stage(root: str | Path, target: str) -> int:
+    """Push ``target``'s outputs, its run-cache entry and its uncached outputs' objects; return files sent."""
+    from dvc.repo import Repo
+
+    with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves targets against the cwd
+        sent = repo.push(targets=[target], run_cache=True)
+        stage = _stage(repo, target)
+        uncached = [o.hash_info for o in stage.outs if not o.use_cache and o.hash_info]
+        if uncached:
+            result = repo.cloud.push(uncached)
+            if result.failed:
+                raise RuntimeError(f"{target}: {len(result.failed)} uncached output object(s) failed to push")
+            sent += len(result.transferred)
+    return sent
+
+
+def sync_run_cache(root: str | Path) -> int:
+    """Download the remote's run-cache entries (``runs/``; no data); return how many."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return len(repo.stage_cache.pull(None))
+
+
+def restore_stage(root: str | Path, target: str) -> str:
+    """Bring ``target``'s outputs from the remote if its inputs match what was pushed; see RESTORE_STATUSES."""
+    from dvc.exceptions import CheckoutError
+    from dvc.repo import Repo, lock_repo
+    from dvc.stage.cache import RunCacheNotFoundError
+
+    # lock_repo is re-entrant: pull and checkout take it again
+    with contextlib.chdir(root), Repo(str(root)) as repo, lock_repo(repo):
+        stage = _stage(repo, target)
+        if not stage.changed():
+            return "current"
+        if not stage.changed(allow_missing=True):  # the lock matches; only its data is missing
+            try:
+                repo.pull(stage.addressing)
+                stage.checkout()
+                return "pulled"
+            except CheckoutError:
+                pass
+        try:
+            repo.stage_cache.restore(stage, pull=True)
+        except RunCacheNotFoundError:
+            return "absent"
+        return "pulled"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("command", choices=["configure", "push", "sync-run-cache", "restore"])
+    ap.add_argument("stage", nargs="?")
+    ap.add_argument("--params", default="params.yaml")
+    args = ap.parse_args(argv)
+    root = Path.cwd()
+    if args.command in ("push", "restore") and not args.stage:
+        ap.error(f"{args.command} needs a STAGE")
+    if args.command == "configure":
+        configure_remote(root, load_params(root / args.params).storage)
+        remote = default_remote(root)
+        print(f"remote {remote}" if remote else "none")
+    elif args.command == "push":
+        print(f"{push_stage(root, args.stage)} file(s) pushed")
+    elif args.command == "sync-run-cache":
+        print(f"{sync_run_cache(root)} run-cache entries")
+    else:
+        print(restore_stage(root, args.stage))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
