@@ -124,3 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``sdforge`` console script."""
     args = build_parser().parse_args(argv)
     sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()
