@@ -310,10 +310,12 @@ class Episode:
     hash_diff: list[str] = field(default_factory=list)
     lock_diff: list[str] = field(default_factory=list)
     attempts: int = 0
+    push_repairs: list[int] = field(default_factory=list)
+    """Per killed push: the extra pushes needed before the remote was complete."""
 
 
-def reference(workdir: Path, log) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
-    root = make_project(workdir / "reference", free_port(), remote=workdir / "reference-remote")
+def reference(workdir: Path, port: int, log) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    root = make_project(workdir / "reference", port, remote=workdir / "reference-remote")
     att = run_killable(root, ["repro"], None, random.Random(0), {}, log)
     if att.rc != 0:
         raise RuntimeError("reference dvc repro failed:\n" + "\n".join(att.lines[-60:]))
@@ -324,10 +326,23 @@ def reference(workdir: Path, log) -> tuple[dict[str, float], dict[str, str], dic
     return durations, result_hashes(root), lock_outs(root)
 
 
-def run_episode(index: int, targets: collections.deque, workdir: Path, rng: random.Random,
+def push_until_in_sync(root: Path, tries: int = 3) -> int:
+    """``dvc push`` until ``dvc status -c`` is clean; return how many pushes beyond the first it took.
+
+    After a killed push, the next ``dvc push`` (DVC 3.67) can report success with part of the
+    outputs missing from the remote (``dvc status -c`` lists them as ``new``); pushing again fixes it.
+    """
+    for extra in range(tries):
+        _dvc(root, "push")
+        if not json.loads(_dvc(root, "status", "-c", "--json").stdout.strip() or "{}"):
+            return extra
+    raise RuntimeError(f"{root}: remote still not in sync after {tries} pushes")
+
+
+def run_episode(index: int, targets: collections.deque, workdir: Path, port: int, rng: random.Random,
                 durations: dict[str, float], ref_hashes: dict[str, str], ref_outs: dict[str, str], log) -> Episode:
     ep = Episode()
-    root = make_project(workdir / f"episode{index}", free_port(), remote=workdir / f"episode{index}-remote")
+    root = make_project(workdir / f"episode{index}", port, remote=workdir / f"episode{index}-remote")
     completed: set[str] = set()
     done = False
     while not done:
@@ -353,6 +368,7 @@ def run_episode(index: int, targets: collections.deque, workdir: Path, rng: rand
             break
         targets.popleft()
         ep.kills.append(Kill(index, "push", "push", att.killed_at_s, len(att.leftover_pids)))
+        ep.push_repairs.append(push_until_in_sync(root))
     _dvc(root, "push")
     final = run_killable(root, ["repro"], None, rng, durations, log)
     ep.reruns += final.ran
@@ -396,10 +412,14 @@ def summarize(episodes: list[Episode], seconds: float) -> tuple[str, bool]:
     rows.append(f"corrupt artifacts: {corrupt or 'none'}")
     rows.append(f"EMA/grid hashes differing from the uninterrupted run: {hash_diff or 'none'}")
     rows.append(f"other DVC outputs differing (dvc.lock md5): {lock_diff or 'none'}")
+    repairs = [r for ep in episodes for r in ep.push_repairs]
+    rows.append(f"killed pushes whose next push left the remote incomplete (a 2nd push fixed it): "
+                f"{sum(1 for r in repairs if r)} of {len(repairs)}")
     ok = not reruns and not corrupt and not hash_diff and leftover == 0
     landed = ",".join(f"{k}:{v}" for k, v in sorted(by_stage.items()))
     rows.append(f"RESULT kills={len(kills)} landed={landed} corrupt={len(corrupt)} reruns={len(reruns)} "
-                f"leftover_pids={leftover} hash_equal={str(not hash_diff).lower()} ok={str(ok).lower()}")
+                f"leftover_pids={leftover} hash_equal={str(not hash_diff).lower()} "
+                f"outs_equal={str(not lock_diff).lower()} ok={str(ok).lower()}")
     return "\n".join(rows), ok
 
 
@@ -420,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         print(f"### reference run in {workdir / 'reference'}", flush=True)
-        durations, ref_hashes, ref_outs = reference(workdir, log)
+        port = free_port()  # one port for all projects: the demo's URLs, hence its metadata, contain it
+        durations, ref_hashes, ref_outs = reference(workdir, port, log)
         print(f"### reference stage durations (s): {json.dumps(durations)}", flush=True)
         order = list(durations)
         targets = collections.deque(args.targets) if args.targets else plan(args.kills)
@@ -428,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         while targets and len(episodes) < args.max_episodes:
             block = order_targets(targets, order)
             before = len(block)
-            ep = run_episode(len(episodes), block, workdir, rng, durations, ref_hashes, ref_outs, log)
+            ep = run_episode(len(episodes), block, workdir, port, rng, durations, ref_hashes, ref_outs, log)
             episodes.append(ep)
             targets = block
             print(f"### episode {len(episodes) - 1}: {len(ep.kills)} kills, {len(ep.reruns)} reruns, "

@@ -75,7 +75,7 @@ def test_summary_line_counts_kills_by_stage():
     report, ok = kh.summarize([ep], 10.0)
     assert ok
     assert report.splitlines()[-1] == ("RESULT kills=3 landed=push:1,train:1,train+ckpt:1 corrupt=0 reruns=0 "
-                                       "leftover_pids=0 hash_equal=true ok=true")
+                                       "leftover_pids=0 hash_equal=true outs_equal=true ok=true")
     ep.reruns.append("prepare_models")
     assert kh.summarize([ep], 10.0)[1] is False
 
