@@ -225,7 +225,7 @@ def run_stages(root: Path, target: str, stages: list[str], options: RunOptions |
         if restore == "pulled":
             pulled.append(stage)
         outcome = stage_task(stage)(str(root), stage, options.timeout_s, force)
-        if remote:
+        if remote and restore != "pulled":  # what was just pulled is on the remote already
             push_stage(str(root), stage)
         publish_stage_artifact(str(root), stage, outcome, restore, options.metrics_dir)
         outcomes.append(outcome)
