@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,7 +64,7 @@ def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> St
     except BaseException:
         kill_group(proc)
         raise
-    for line in out.splitlines():
+    for line in out.splitlines():  # str.splitlines also splits at a progress bar's \r
         log_line(line)
     if proc.returncode != 0:
         tail = "\n".join(out.splitlines()[-40:])
@@ -71,15 +72,52 @@ def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> St
     return StageOutcome(stage=stage, status="ran", seconds=round(time.monotonic() - start, 2))
 
 
+def artifact_key(prefix: str, stage: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes: ``stage-train-phase1``."""
+    return f"{prefix}-" + re.sub(r"[^a-z0-9]+", "-", stage.lower()).strip("-")
+
+
+class StageProgress:
+    """Forward a stage's output lines to ``log``; a progress-bar line (tqdm's ``12/300 [``) updates the
+    stage's progress artifact instead, and is logged at most every ``every_s`` seconds."""
+
+    BAR = re.compile(r"(\d+)/(\d+) \[")
+
+    def __init__(self, stage: str, log, every_s: float = 10.0):
+        self.stage, self.log, self.every_s = stage, log, every_s
+        self.artifact = None
+        self.last = float("-inf")
+
+    def __call__(self, line: str) -> None:
+        bars = self.BAR.findall(line)
+        if not bars or int(bars[-1][1]) <= 0:
+            self.log(line)
+            return
+        done, total = map(int, bars[-1])
+        now = time.monotonic()
+        if now - self.last < self.every_s and done < total:
+            return
+        self.last = now
+        percent = min(100.0, 100.0 * done / total)
+        if self.artifact is None:
+            key = artifact_key("progress", self.stage)
+            self.artifact = create_progress_artifact(percent, key=key, description=f"{self.stage}: {done}/{total}")
+        else:
+            update_progress_artifact(self.artifact, percent, description=f"{self.stage}: {done}/{total}")
+        self.log(line.strip())
+
+
 # DVC is the cache (it skips a stage whose deps, params and outs are unchanged): no Prefect caching.
 @task(name="dvc-stage", task_run_name="{stage}", retries=0, cache_policy=NO_CACHE)
 def repro_stage(root: str, stage: str, timeout_s: float | None = None, force: bool = False) -> dict:
-    """``dvc repro --single-item <stage>`` (``--force`` with ``force``); the output goes to the Prefect log."""
+    """``dvc repro --single-item <stage>`` (``--force`` with ``force``); the output goes to the Prefect log,
+    progress bars to a progress artifact."""
     logger = get_run_logger()
+    log_line = StageProgress(stage, logger.info)
     if force:
-        outcome = _force_repro(root, stage, logger.info, timeout_s)
+        outcome = _force_repro(root, stage, log_line, timeout_s)
     else:
-        outcome = run_dvc_stage(root, stage, log_line=logger.info, timeout_s=timeout_s)
+        outcome = run_dvc_stage(root, stage, log_line=log_line, timeout_s=timeout_s)
     logger.info("stage %s: %s in %.1f s", stage, outcome.status, outcome.seconds)
     return asdict(outcome)
 
@@ -194,10 +232,9 @@ def publish_stage_artifact(root: str, stage: str, outcome: dict, restore: str | 
         metrics = metrics if isinstance(metrics, dict) else {"value": metrics}
     except (OSError, ValueError):
         metrics = None
-    key = "stage-" + stage.replace("@", "-").replace("_", "-").lower()
     create_markdown_artifact(
         stage_markdown(stage, outcome, restore, metrics, mlflow_run_link(stage)),
-        key=key, description=f"{stage}: {outcome['status']}",
+        key=artifact_key("stage", stage), description=f"{stage}: {outcome['status']}",
     )
 
 
