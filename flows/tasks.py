@@ -185,26 +185,36 @@ def metrics_path(root: str | Path, metrics_dir: str, stage: str) -> Path:
 
 
 def mlflow_run_link(stage: str) -> str | None:
-    """A link to the newest MLflow run of ``stage`` when the tracking URI is a server, else None."""
+    """A link to the newest MLflow run of ``stage`` when the tracking URI is a server, else None.
+
+    Data stages tag their run ``name@item``; phase stages tag it ``name`` under the phase's parent run.
+    """
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if not uri.startswith(("http://", "https://")):
         return None
     try:
         import mlflow
 
-        from stages.tracking import STAGE_TAG
+        from stages.tracking import PARENT_TAG, STAGE_TAG
 
-        runs = mlflow.MlflowClient(uri).search_runs(
-            [e.experiment_id for e in mlflow.MlflowClient(uri).search_experiments()],
-            filter_string=f"tags.`{STAGE_TAG}` = '{stage}'",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
+        client = mlflow.MlflowClient(uri)
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        name, _, item = stage.partition("@")
+        filters = [f"tags.`{STAGE_TAG}` = '{stage}'"]
+        if item:
+            parents = client.search_runs(experiments, f"tags.`{PARENT_TAG}` = '{item}'")
+            filters += [
+                f"tags.`{STAGE_TAG}` = '{name}' and tags.`mlflow.parentRunId` = '{p.info.run_id}'" for p in parents
+            ]
+        runs = [
+            r for f in filters
+            for r in client.search_runs(experiments, f, order_by=["attributes.start_time DESC"], max_results=1)
+        ]
     except Exception:  # noqa: BLE001 - a link is a convenience; the stage has finished either way
         return None
     if not runs:
         return None
-    info = runs[0].info
+    info = max(runs, key=lambda r: r.info.start_time).info
     return f"{uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
 
 

@@ -217,6 +217,11 @@ FAKE_STAGE = textwrap.dedent(
     else:
         Path(f"grid-{{item}}.txt").write_text(Path(f"model-{{item}}.txt").read_text() + "grid\\n")
         metrics = {{"score": 0.5}}
+        if os.environ.get("FAKE_TRAIN_MLFLOW"):  # tagged like stages/eval_grid.py: "eval_grid" under the phase
+            from stages.config import load_params
+            from stages.tracking import log_stage
+
+            log_stage(load_params("params.yaml").tracking, item, "eval_grid", metrics)
     metrics_file.write_text(json.dumps(metrics))
     """
 )

@@ -135,6 +135,9 @@ def test_deployment_on_a_fresh_clone_resumes_and_no_secret_leaks(tmp_path, moto_
                 flow_runs = _every(client.read_flow_runs)
         messages = "\n".join(log.message for log in logs)
         assert "restore train@phase2: pulled" in messages and "0 ran, 4 restored" in messages
+        for key in ("stage-train-phase2", "stage-eval-grid-phase2"):  # both runs link the MLflow run of the output
+            versions = [str(a.data) for a in artifacts if a.key == key]
+            assert len(versions) == 2 and all(f"{stack.mlflow_url}/#/experiments/" in v for v in versions), versions
         prefect_text = messages + json.dumps([a.data for a in artifacts], default=str)
         prefect_text += json.dumps([r.parameters for r in flow_runs], default=str)
 
