@@ -375,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         stack.up()
         if stack.with_s3:
-            print(f"S3 (moto):   {stack.s3_endpoint}   DVC remote: {stack.storage().dvc_remote}")
+            print(
+                f"S3 (moto):   {stack.s3_endpoint}   DVC remote: {stack.storage().dvc_remote}\n"
+                "             a shell without AWS credentials needs moto's dummies:"
+                " export AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing"
+            )
         if stack.with_mlflow:
             print(f"MLflow UI:   {stack.mlflow_url}   artifacts: {stack.storage().mlflow_artifacts or 'local'}")
         print(
