@@ -176,18 +176,19 @@ def run_killable(root: Path, args: list[str], target: str | None, rng: random.Ra
     if target == "push":
         kill_at = start + rng.uniform(0.2, 0.9) * durations.get("push", 3.0)
     runs_dir = root / "runs"
+    stale = {_identity(p) for p in _half_written_checkpoints(runs_dir)}  # left by an earlier kill
     while True:
         now = time.monotonic()
         current = att.ran[-1] if att.ran else None
         if target == "checkpoint" and current and stage_type(current) == "train" and runs_dir.is_dir():
-            if _half_written_checkpoints(runs_dir):
+            if _new_half_written(runs_dir, stale):
                 kill_at = now
         if kill_at is not None and now >= kill_at:
             att.killed_in = "push" if target == "push" else f"{current}{'+ckpt' if target == 'checkpoint' else ''}"
             att.killed_at_s = round(now - stage_start, 2)
             att.leftover_pids = kill_group(proc)
             att.rc = proc.returncode
-            if target == "checkpoint" and not _half_written_checkpoints(runs_dir):
+            if target == "checkpoint" and not _new_half_written(runs_dir, stale):
                 att.killed_in += "(done)"  # the write had finished (renamed into place) before the kill
             while (line := _drain(lines)) is not None:
                 att.lines.append(line)
@@ -225,6 +226,22 @@ def _half_written_checkpoints(runs_dir: Path) -> list[Path]:
         return [p for d in runs_dir.iterdir() if d.is_dir() for p in d.iterdir() if p.name.endswith(".tmp")]
     except FileNotFoundError:  # renamed or pruned while listing
         return []
+
+
+def _identity(path: Path) -> tuple[Path, int, int]:
+    st = path.stat()
+    return path, st.st_ino, st.st_ctime_ns  # inodes are reused at once; ctime changes with every entry added
+
+
+def _new_half_written(runs_dir: Path, stale: set[tuple[Path, int, int]]) -> bool:
+    """A checkpoint write started in this attempt (``save_checkpoint`` recreates the ``.tmp`` dir)."""
+    for p in _half_written_checkpoints(runs_dir):
+        try:
+            if _identity(p) not in stale:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def _drain(lines: queue.Queue) -> str | None:

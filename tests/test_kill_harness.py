@@ -43,10 +43,27 @@ DVC_YAML = textwrap.dedent("""\
 """)
 
 
+# `train` writes a checkpoint the way stages/checkpoints.py does: a .tmp dir, renamed when complete
+SAVE = textwrap.dedent("""\
+    import pathlib, shutil, time
+    run = pathlib.Path("runs/phase1")
+    run.mkdir(parents=True, exist_ok=True)
+    time.sleep(1.0)
+    tmp = run / "checkpoint-1.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    time.sleep(1.0)
+    tmp.rename(run / "checkpoint-1")
+    pathlib.Path("saved.txt").write_text("ok")
+""")
+DVC_YAML += "  train:\n    cmd: python save.py\n    deps: [last.txt]\n    outs: [saved.txt]\n"
+
+
 @pytest.fixture
 def mini(tmp_path: Path) -> Path:
     (tmp_path / "dvc.yaml").write_text(DVC_YAML)
     (tmp_path / "count.py").write_text(COUNT)
+    (tmp_path / "save.py").write_text(SAVE)
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     kh._dvc(tmp_path, "init", "-q")
     return tmp_path
@@ -55,17 +72,27 @@ def mini(tmp_path: Path) -> Path:
 def test_kill_mid_stage_then_rerun_skips_completed_and_finishes(mini):
     rng = random.Random(0)
     durations = {"count": 3.0}
-    killed = kh.run_killable(mini, ["repro"], "count", rng, durations, log=lambda _: None)
+    killed = kh.run_killable(mini, ["repro", "last"], "count", rng, durations, log=lambda _: None)
     assert killed.killed_in == "count" and killed.leftover_pids == []
     assert killed.ran == ["first", "count"] and killed.completed == ["first"]
     partial = (mini / "counts.txt").read_text().splitlines()
     assert 0 < len(partial) < 15 and not (mini / "counted.txt").exists()
 
-    again = kh.run_killable(mini, ["repro"], None, rng, durations, log=lambda _: None)
+    again = kh.run_killable(mini, ["repro", "last"], None, rng, durations, log=lambda _: None)
     assert again.rc == 0 and again.killed_in is None
     assert again.skipped == ["first"] and again.ran == ["count", "last"]  # completed `first` not rerun
     assert (mini / "last.txt").read_text().splitlines() == [str(i) for i in range(15)]  # resumed, not restarted
-    assert kh._dvc(mini, "status", "--json").stdout.strip() in ("{}", "")
+    assert kh._dvc(mini, "status", "--json", "last").stdout.strip() in ("{}", "")
+
+
+def test_checkpoint_kill_lands_in_a_write_and_ignores_one_left_by_an_earlier_kill(mini):
+    rng = random.Random(0)
+    for _ in range(2):  # the second attempt starts with the first one's checkpoint-1.tmp on disk
+        att = kh.run_killable(mini, ["repro"], "checkpoint", rng, {}, log=lambda _: None)
+        assert att.killed_in == "train+ckpt" and att.killed_at_s >= 0.9  # not at the stale .tmp
+        assert (mini / "runs/phase1/checkpoint-1.tmp").is_dir()
+    done = kh.run_killable(mini, ["repro"], None, rng, {}, log=lambda _: None)
+    assert done.rc == 0 and done.ran == ["train"] and (mini / "runs/phase1/checkpoint-1").is_dir()
 
 
 def test_summary_line_counts_kills_by_stage():
