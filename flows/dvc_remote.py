@@ -77,12 +77,24 @@ def _stage(repo, target: str):
     return stages[0]
 
 
-def push_stage(root: str | Path, target: str) -> int:
-    """Push ``target``'s outputs, its run-cache entry and its uncached outputs' objects; return files sent."""
+def push_stage(root: str | Path, target: str, attempts: int = 2) -> int:
+    """Push ``target``'s outputs, its run-cache entry and its uncached outputs' objects; return files sent.
+
+    Then ``dvc status -c`` of the stage: after an interrupted push DVC 3.67 can report the next one
+    complete with objects still missing (scripts/KILL-HARNESS.md), so it pushes again while the remote
+    lacks any (up to ``attempts`` pushes; then it raises, and the Prefect task retries).
+    """
     from dvc.repo import Repo
 
     with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves targets against the cwd
-        sent = repo.push(targets=[target], run_cache=True)
+        sent = 0
+        for _ in range(attempts):
+            sent += repo.push(targets=[target], run_cache=True)
+            missing = repo.status(targets=[target], cloud=True)
+            if not missing:
+                break
+        else:
+            raise RuntimeError(f"{target}: still missing on the remote after {attempts} pushes: {missing}")
         stage = _stage(repo, target)
         uncached = [o.hash_info for o in stage.outs if not o.use_cache and o.hash_info]
         if uncached:
