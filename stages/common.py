@@ -99,6 +99,25 @@ class InputError(ValueError):
     """Bad input data that the user must fix; the message names the file/row/key."""
 
 
+def read_parquet_checked(path: Path, required: set[str], remedy: str):
+    """Read ``path`` as a polars frame that has the ``required`` columns; :class:`InputError` otherwise.
+
+    A missing, unreadable or column-short file is reported with its path and ``remedy`` (what to re-run).
+    """
+    import polars as pl
+
+    if not path.is_file():
+        raise InputError(f"{path}: missing ({remedy})")
+    try:
+        frame = pl.read_parquet(path)
+    except (OSError, pl.exceptions.PolarsError) as err:
+        raise InputError(f"{path}: unreadable parquet ({type(err).__name__}: {err}); {remedy}") from None
+    missing = sorted(required - set(frame.columns))
+    if missing:
+        raise InputError(f"{path}: lacks column(s) {missing}; {remedy}")
+    return frame
+
+
 def _check_item(params: Params, stage: str, item: str | None) -> None:
     names = set(params.sources) | set(params.phases)
     if item not in names:

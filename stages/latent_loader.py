@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from stages.common import InputError
+from stages.common import InputError, read_parquet_checked
 from stages.latent_store import ShardArrays, open_shard, shard_path
 
 log = logging.getLogger(__name__)
@@ -161,12 +161,7 @@ def _will_need(array: np.ndarray, start: int, length: int) -> None:
 
 
 def _read_index(index_path: Path) -> pl.DataFrame:
-    if not index_path.is_file():
-        raise InputError(f"{index_path}: phase index missing (run mix_phase for this phase)")
-    index = pl.read_parquet(index_path)
-    missing = sorted({"source", "shard", "row"} - set(index.columns))
-    if missing:
-        raise InputError(f"{index_path}: the phase index lacks column(s) {missing}; re-run mix_phase")
+    index = read_parquet_checked(index_path, {"source", "shard", "row"}, "re-run mix_phase for this phase")
     if index.height == 0:
         raise InputError(f"{index_path}: the phase index is empty")
     return index.select(pl.col("source").cast(pl.String), pl.col("shard").cast(pl.Int64), pl.col("row").cast(pl.Int64))

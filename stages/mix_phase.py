@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from stages.common import InputError, atomic_write_bytes, stage_cli
+from stages.common import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
 from stages.config import Params, Phase
 from stages.latent_store import MANIFEST
 
@@ -92,12 +92,7 @@ def index_digest(index: pl.DataFrame) -> str:
 def read_manifest(latents_dir: Path, source: str) -> pl.DataFrame:
     """``source``'s latent manifest, checked for the columns the index needs and unique (shard, row)."""
     path = latents_dir / source / MANIFEST
-    if not path.is_file():
-        raise InputError(f"{path}: latent manifest missing for source '{source}' (run encode_latents@{source})")
-    manifest = pl.read_parquet(path)
-    missing = sorted({"key", "shard", "row"} - set(manifest.columns))
-    if missing:
-        raise InputError(f"{path}: manifest lacks column(s) {missing}; re-run encode_latents@{source}")
+    manifest = read_parquet_checked(path, {"key", "shard", "row"}, f"re-run encode_latents@{source}")
     if manifest.select("shard", "row").is_duplicated().any():
         raise InputError(f"{path}: manifest lists a (shard, row) twice; re-run encode_latents@{source}")
     return manifest

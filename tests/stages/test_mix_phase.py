@@ -141,7 +141,7 @@ def test_counts_beyond_a_source_need_replacement():
 
 def test_manifest_checks(tmp_path):
     (tmp_path / "lat" / "a").mkdir(parents=True)
-    with pytest.raises(InputError, match=r"a/manifest.parquet: latent manifest missing .*encode_latents@a"):
+    with pytest.raises(InputError, match=r"a/manifest.parquet: missing .*encode_latents@a"):
         run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0)
     dup = pl.concat([_manifest("a", 20), _manifest("a", 20).head(1)])
     dup.write_parquet(tmp_path / "lat" / "a" / "manifest.parquet")
@@ -158,3 +158,18 @@ def test_run_is_deterministic_on_disk(tmp_path):
         run("p", _phase(samples=60), tmp_path / "lat", tmp_path / name / "p.parquet", seed=3)
         digests.append(index_digest(pl.read_parquet(tmp_path / name / "p.parquet")))
     assert digests[0] == digests[1]
+
+
+def test_unreadable_or_short_manifest_is_an_input_error_naming_the_file(tmp_path):
+    """A truncated manifest or one without the index columns names the file and what to re-run."""
+    from stages.mix_phase import read_manifest
+
+    (tmp_path / "a").mkdir()
+    path = tmp_path / "a" / "manifest.parquet"
+    pl.DataFrame({"key": ["x"], "shard": [0], "row": [0]}).write_parquet(path)
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(InputError, match=r"a/manifest.parquet: unreadable parquet .*re-run encode_latents@a"):
+        read_manifest(tmp_path, "a")
+    pl.DataFrame({"key": ["x"], "shard": [0]}).write_parquet(path)
+    with pytest.raises(InputError, match=r"a/manifest.parquet: lacks column\(s\) \['row'\]; re-run encode_latents@a"):
+        read_manifest(tmp_path, "a")
