@@ -378,11 +378,14 @@ def run_episode(index: int, targets: collections.deque, workdir: Path, port: int
         if att.rc != 0:
             raise RuntimeError(f"episode {index}: dvc repro exited {att.rc}:\n" + "\n".join(att.lines[-60:]))
         done = True
-    while targets and targets[0] == "push":
+    misses = 0
+    while targets and targets[0] == "push" and misses < 5:
+        shutil.rmtree(workdir / f"episode{index}-remote", ignore_errors=True)  # an empty remote: a full push
         att = run_killable(root, ["push"], "push", rng, durations, log)
         if att.killed_in is None:
-            log("### push finished before its kill point")
-            break
+            log("### push finished before its kill point; emptying the remote and trying again")
+            misses += 1
+            continue
         targets.popleft()
         ep.kills.append(Kill(index, "push", "push", att.killed_at_s, len(att.leftover_pids)))
         ep.push_repairs.append(push_until_in_sync(root))
@@ -470,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             episodes.append(ep)
             targets = block
             print(f"### episode {len(episodes) - 1}: {len(ep.kills)} kills, {len(ep.reruns)} reruns, "
-                  f"{len(ep.corrupt)} corrupt, hash diff {ep.hash_diff}", flush=True)
+                  f"{len(ep.corrupt)} corrupt, hash diff {ep.hash_diff}, outs diff {ep.lock_diff}, "
+                  f"push repairs {ep.push_repairs}", flush=True)
             if len(block) == before:
                 break  # no kill point could be hit (stage too short?)
         report, ok = summarize(episodes, time.monotonic() - start)
