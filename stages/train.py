@@ -29,7 +29,7 @@ from stages.common import InputError, setup_logging, stage_cli, write_json
 from stages.config import ConfigError, Params, Train, load_params
 from stages.distributed import init_distributed
 from stages.launch import launch, needs_launch, torchrun_command
-from stages.trainer import Trainer, train_loop
+from stages.trainer import LOSS_TAIL, Trainer, train_loop
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _prepare_run_dir(run_dir: Path, fp: str, is_main: bool) -> None:
         torch.distributed.barrier()
 
 
-def export_phase(tr: Trainer, out_dir: Path, losses: list[float]) -> None:
+def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:
     """Write ``unet/`` (live), ``unet_ema/`` and ``state.json`` — the phase's DVC output."""
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -72,7 +72,7 @@ def export_phase(tr: Trainer, out_dir: Path, losses: list[float]) -> None:
             "phase": tr.phase_name,
             "step": tr.progress.step,
             "epochs": tr.progress.epoch,
-            "final_loss": losses[-1] if losses else None,
+            "final_loss": final_loss,
         },
     )
 
@@ -130,12 +130,12 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         ),
     }
     if dist.is_main:
-        export_phase(tr, Path(paths.checkpoints) / phase_name, losses)
+        export_phase(tr, Path(paths.checkpoints) / phase_name, final_loss)
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)
     return metrics
 
 
-def _tail_mean(values: list[float], n: int = 20) -> float | None:
+def _tail_mean(values: list[float], n: int = LOSS_TAIL) -> float | None:
     tail = values[-n:]
     return round(sum(tail) / len(tail), 6) if tail else None
 

@@ -124,6 +124,7 @@ class Trainer:
         # Same state on every rank: per-sample streams are split off it (stages.distributed.sample_generators).
         self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
         self.progress = Progress()
+        self.loss_history: list[float] = []  # a resumed run's last losses before the checkpoint
 
     # -- checkpoint state ------------------------------------------------------------------
     def state(self) -> dict:
@@ -146,6 +147,7 @@ class Trainer:
         self.ema.to(getattr(self, "ema_device", self.dist.device))
         restore_rng(state["rng"], self.generator, self.dist.device)
         self.progress = Progress(**state["progress"])
+        self.loss_history = list(state.get("recent_losses", []))
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
             ckpt,
@@ -243,16 +245,21 @@ def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.opt
     return torch.optim.AdamW(parameters, **kwargs)
 
 
+LOSS_TAIL = 20
+"""Step losses kept in each checkpoint (mean over ranks) so a resumed run reports the same ``final_loss``."""
+
+
 def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
-    """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses.
+    """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses
+    (after a resume: the checkpoint's last :data:`LOSS_TAIL` losses, then this run's).
 
     ``on_step(step, stats)`` is called after each optimizer step with ``loss``, ``lr``, ``grad_norm``,
     ``step_time_s`` (first batch wait to optimizer step done; checkpoint writes excluded),
     ``data_wait_s`` (of that, the time spent waiting for the loader) and ``samples`` (this rank's).
     """
     phase, cfg, p = tr.phase, tr.cfg, tr.progress
-    losses: list[float] = []
-    saver = _Checkpointer(tr, run_dir)
+    losses: list[float] = list(tr.loss_history)
+    saver = _Checkpointer(tr, run_dir, mark=len(losses))
     accum = phase.grad_accum
     while p.epoch < phase.epochs:
         group_loss, in_group = 0.0, 0
@@ -313,8 +320,8 @@ class _Checkpointer:
     ``train.checkpoint_s3`` — queues its upload; :meth:`close` waits for pending uploads.
     """
 
-    def __init__(self, tr: Trainer, run_dir: Path):
-        self.tr, self.run_dir, self.mark = tr, run_dir, 0
+    def __init__(self, tr: Trainer, run_dir: Path, mark: int = 0):
+        self.tr, self.run_dir, self.mark = tr, run_dir, mark
         cfg = tr.cfg
         self.retention = Retention(cfg.keep_last, cfg.keep_every, cfg.keep_best)
         self.uploader = None
@@ -329,17 +336,22 @@ class _Checkpointer:
         recent, self.mark = losses[self.mark :], len(losses)
         loss = sum(recent) / len(recent) if recent else None
         rng = [capture_rng(tr.generator, dist.device)]
+        tail = losses[-LOSS_TAIL:]
         if dist.world > 1:
             total = torch.tensor([sum(recent), len(recent)], dtype=torch.float64, device=dist.device)
             torch.distributed.all_reduce(total)
             loss = float(total[0] / total[1]) if total[1] else None
+            tail_t = torch.tensor(tail, dtype=torch.float64, device=dist.device)  # same length on every rank
+            torch.distributed.all_reduce(tail_t)
+            tail = (tail_t / dist.world).tolist()
             gathered = [None] * dist.world if dist.is_main else None
             torch.distributed.gather_object(rng[0], gathered, dst=0)
             rng = gathered
         if dist.is_main:
             config = tr.params.model_dump(mode="json")
+            state = {**tr.state(), "recent_losses": tail}
             path = save_checkpoint(
-                self.run_dir, tr.progress, tr.unet, tr.state(), self.retention, rng=rng, loss=loss, config=config
+                self.run_dir, tr.progress, tr.unet, state, self.retention, rng=rng, loss=loss, config=config
             )
             if self.uploader:
                 self.uploader.submit(path)

@@ -153,6 +153,10 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     assert m_straight["steps"] == m_killed["steps"] == 6  # 40 samples / batch 8 = 5 batches; accum 2 → 3 × 2 epochs
     assert m_killed["resumed_at_step"] == resume_step, why
     assert m_straight["final_loss"] is not None and np.isfinite(m_straight["final_loss"])
+    # the loss tail travels in the checkpoint: a resumed run reports the uninterrupted run's final_loss
+    assert m_killed["final_loss"] == m_straight["final_loss"], why
+    state = [json.loads((root / "checkpoints/phase1/state.json").read_text()) for root in (straight, killed)]
+    assert state[0] == state[1] and state[0]["final_loss"] == m_straight["final_loss"], why
     # the logged loss sequence: the died run's steps up to the checkpoint, then the resumed run's
     (straight_losses,) = logged_losses(straight)
     died_losses, resumed_losses = logged_losses(killed)
