@@ -398,6 +398,10 @@ class Train(Section):
     """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
     resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
     log_every: int = Field(10, ge=1)
+    validation_every: int = Field(0, ge=0)
+    """Every N optimizer steps (0: never) sample the first ``validation_prompts`` eval prompts with the
+    EMA weights and log a captioned grid to MLflow as ``validation/step-NNNNNNNN.png``."""
+    validation_prompts: int = Field(4, ge=1)
     progress_bar: bool = True
     """tqdm bar with ETA on the main rank."""
     nproc_per_node: int = Field(1, ge=1)

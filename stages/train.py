@@ -30,6 +30,7 @@ from stages.config import ConfigError, Params, Train, load_params
 from stages.distributed import init_distributed
 from stages.launch import launch, needs_launch, torchrun_command
 from stages.trainer import LOSS_TAIL, Trainer, train_loop
+from stages.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,11 @@ def run(params: Params, phase_name: str) -> dict:
     fp = fingerprint(
         Path(paths.mixes) / f"{phase_name}.parquet",
         Path(paths.checkpoints) / tr.phase.init_from,
-        extra={"phase": tr.phase.model_dump(), "train": params.train.model_dump(), "world": dist.world},
+        extra={
+            "phase": tr.phase.model_dump(),
+            "train": params.train.model_dump(exclude=NOT_TRAINING),
+            "world": dist.world,
+        },
     )
     _prepare_run_dir(run_dir, fp, dist.is_main)
     found = resume_point(run_dir, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
@@ -140,6 +145,9 @@ def _tail_mean(values: list[float], n: int = LOSS_TAIL) -> float | None:
     return round(sum(tail) / len(tail), 6) if tail else None
 
 
+NOT_TRAINING = {"validation_every", "validation_prompts"}
+"""``train`` settings that do not change the weights: changing them keeps a run's checkpoints resumable."""
+
 STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s")
 """Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
 
@@ -159,6 +167,8 @@ class _StepLogger:
         from stages.tracking import stage_run
 
         self.every = params.train.log_every
+        self.validator = Validator(params, tr) if params.train.validation_every else None
+        self.tr = tr
         self.losses: list[float] = []
         self.window: list[dict] = []
         self.world = tr.dist.world
@@ -188,6 +198,8 @@ class _StepLogger:
         self.window.append(stats)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{stats['loss']:.4f}")
+        if self.validator and self.validator.due(step):
+            self._log_validation(step)
         if step % self.every:
             return
         n, seconds = len(self.window), sum(s["step_time_s"] for s in self.window)
@@ -199,6 +211,13 @@ class _StepLogger:
             torch.cuda.reset_peak_memory_stats(self.cuda)
         self.mlflow.log_metrics(metrics, step=step)
         self.window = []
+
+    def _log_validation(self, step: int) -> None:
+        from stages.eval_grid import captioned_grid
+
+        images = self.validator.images(self.tr)
+        grid = captioned_grid(images, self.validator.prompts, columns=len(images))
+        self.mlflow.log_image(grid, artifact_file=f"validation/step-{step:08d}.png")
 
     def finish(self, metrics: dict, out_dir: Path) -> None:
         # whole-run figures; names shared with the step series get a ``run_`` prefix (one series, one meaning)

@@ -184,3 +184,29 @@ def test_architecture_mismatch_is_a_clear_error(runs):
         InputError, match=r"block_out_channels=\[16, 32\] but params models.unet.block_out_channels=\[32, 64\]"
     ):
         load_init_unet(runs[0] / "checkpoints/phase1", "ema", spec)
+
+
+def test_validation_images_are_logged_and_do_not_change_training(runs, tmp_path):
+    """``train.validation_every`` logs an EMA-sampled grid per due step; the weights equal a run without it."""
+    import mlflow
+
+    straight = runs[0]
+    params_file = build_workspace(tmp_path)
+    data = yaml.safe_load(params_file.read_text())
+    data["train"].update(validation_every=2, validation_prompts=3)
+    data["eval"]["steps"] = 2
+    params_file.write_text(yaml.safe_dump(data))
+    done = train(params_file, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(straight, "phase1", sub), weights(tmp_path, "phase1", sub)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} changed by validation sampling"
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    (run,) = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'")
+    logged = sorted(a.path for a in client.list_artifacts(run.info.run_id, "validation"))
+    assert logged == [f"validation/step-{s:08d}.png" for s in (2, 4, 6)]
+    from PIL import Image
+
+    grid = Image.open(client.download_artifacts(run.info.run_id, logged[-1], str(tmp_path)))
+    assert grid.size[0] == 3 * 128  # one captioned cell per validation prompt
