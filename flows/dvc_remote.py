@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -96,13 +97,114 @@ def push_stage(root: str | Path, target: str, attempts: int = 2) -> int:
         else:
             raise RuntimeError(f"{target}: still missing on the remote after {attempts} pushes: {missing}")
         stage = _stage(repo, target)
+        if not _run_cacheable(stage):
+            _commit_uncached_outs(repo, stage)
         uncached = [o.hash_info for o in stage.outs if not o.use_cache and o.hash_info]
         if uncached:
             result = repo.cloud.push(uncached)
             if result.failed:
                 raise RuntimeError(f"{target}: {len(result.failed)} uncached output object(s) failed to push")
             sent += len(result.transferred)
+        sent += _push_lock_entry(repo, stage)
     return sent
+
+
+LOCKS_DIR = "sdforge-locks"
+"""Remote folder of the ``dvc.lock`` entries of stages DVC's run cache skips (one JSON per stage)."""
+
+
+def _run_cacheable(stage) -> bool:
+    """Whether DVC's run cache takes ``stage`` (it refuses stages with ``persist: true`` outputs)."""
+    from dvc.stage.cache import _can_hash
+
+    return bool(_can_hash(stage))
+
+
+def _lock_entry_path(repo, stage) -> tuple[object, str]:
+    remote = repo.cloud.get_remote()
+    return remote.fs, remote.fs.join(remote.path, LOCKS_DIR, f"{stage.addressing}.json")
+
+
+def _commit_uncached_outs(repo, stage) -> None:
+    """Put ``stage``'s ``cache: false`` outputs (metrics) into the local cache so they can be pushed.
+
+    DVC does this itself only when it saves a run-cache entry; for a stage it keeps out of the run cache
+    it is done here, the way ``StageCache.save`` does it (a copy, through a stage built from the lock).
+    """
+    from dvc.stage.serialize import to_single_stage_lockfile
+
+    uncached = {o.def_path for o in stage.outs if not o.use_cache}
+    if not uncached:
+        return
+    cache_stage = repo.stage_cache._create_stage(to_single_stage_lockfile(stage), wdir=stage.wdir)
+    with repo.stage_cache._cache_type_copy():
+        for out in cache_stage.outs:
+            if out.def_path in uncached and out.is_in_repo:
+                out.commit()
+
+
+def _push_lock_entry(repo, stage) -> int:
+    """Upload ``stage``'s ``dvc.lock`` entry when the run cache cannot stand in for it; return files sent.
+
+    DVC 3.67 keeps stages with ``persist: true`` outputs (``fetch_images``, ``encode_latents``: they
+    resume after a kill) out of its run cache, so on a fresh clone without the dead pod's ``dvc.lock``
+    nothing would tell DVC that their pushed outputs match the clone's inputs. The entry (cmd, deps,
+    params and output hashes) does; :func:`_restore_lock_entry` puts it back. The newest push of a
+    stage wins.
+    """
+    from dvc.stage.serialize import to_single_stage_lockfile
+
+    if _run_cacheable(stage) or not all(o.hash_info for o in stage.outs):
+        return 0
+    fs, path = _lock_entry_path(repo, stage)
+    fs.makedirs(fs.parent(path), exist_ok=True)
+    fs.pipe_file(path, json.dumps(to_single_stage_lockfile(stage), indent=1).encode())
+    return 1
+
+
+def _restore_lock_entry(root: Path, target: str) -> bool:
+    """Merge the remote's ``dvc.lock`` entry of a non-run-cacheable stage into ``dvc.lock``, pull its outputs.
+
+    True if the entry matched the clone's cmd, deps and params and its outputs were checked out; else
+    ``dvc.lock`` is left as it was.
+    """
+    import yaml
+    from dvc.exceptions import CheckoutError
+    from dvc.repo import Repo, lock_repo
+
+    with contextlib.chdir(root), Repo(str(root)) as repo:  # DVC resolves targets against the cwd
+        stage = _stage(repo, target)
+        if _run_cacheable(stage):
+            return False
+        fs, path = _lock_entry_path(repo, stage)
+        if not fs.exists(path):
+            return False
+        entry = json.loads(fs.cat_file(path))
+        name = stage.addressing
+    lockfile = root / "dvc.lock"
+    before = lockfile.read_bytes() if lockfile.is_file() else None
+    data = (yaml.safe_load(before) if before else None) or {"schema": "2.0", "stages": {}}
+    data.setdefault("stages", {})[name] = entry
+    lockfile.write_text(yaml.safe_dump(data, sort_keys=False))
+    with contextlib.chdir(root), Repo(str(root)) as repo, lock_repo(repo):
+        stage = _stage(repo, target)
+        if not stage.changed(allow_missing=True):  # same cmd, deps and params as the pushed run
+            # as DVC's StageCache.restore does: a stage built from the entry treats every output as
+            # cached, so the objects pushed for ``cache: false`` metrics are pulled and checked out too
+            pushed = repo.stage_cache._create_stage(entry, wdir=stage.wdir)
+            try:
+                for objs in pushed.get_used_objs().values():
+                    repo.cloud.pull(objs)
+                if pushed.outs_cached():
+                    pushed.checkout()
+                    return True
+            except CheckoutError:
+                pass
+    if before is None:
+        lockfile.unlink()
+    else:
+        lockfile.write_bytes(before)
+    return False
 
 
 def sync_run_cache(root: str | Path) -> int:
@@ -133,9 +235,10 @@ def restore_stage(root: str | Path, target: str) -> str:
                 pass
         try:
             repo.stage_cache.restore(stage, pull=True)
+            return "pulled"
         except RunCacheNotFoundError:
-            return "absent"
-        return "pulled"
+            pass
+    return "pulled" if _restore_lock_entry(Path(root), target) else "absent"
 
 
 def main(argv: list[str] | None = None) -> int:

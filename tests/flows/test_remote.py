@@ -5,6 +5,7 @@ that restores the pushed stages instead of rerunning them — including ``cache:
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -67,3 +68,30 @@ def test_fresh_clone_restores_pushed_stages_instead_of_rerunning(tmp_path, moto_
     assert json.loads((clone / "metrics/mix_phase/phase1.json").read_text()) == {"samples": 3}
     assert restore_stage(clone, "prepare") == "current"
     print(f"run+push 2 stages {pushed_s:.1f} s; fresh clone restore {restored_s:.1f} s")
+
+
+def test_fresh_clone_restores_a_stage_with_persistent_outputs(tmp_path, moto_s3):
+    """DVC's run cache skips stages with ``persist: true`` outputs (fetch_images, encode_latents); the
+    pushed ``dvc.lock`` entry restores them on a fresh clone, metrics included, and DVC then skips them."""
+    project = make_remote_project(tmp_path / "project", moto_s3)
+    dvc_yaml = project / "dvc.yaml"
+    text = dvc_yaml.read_text()
+    persistent = text.replace("outs: [prepared.txt]", "outs:\n      - prepared.txt:\n          persist: true", 1)
+    assert persistent != text
+    dvc_yaml.write_text(persistent)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "persist"], cwd=project)
+    storage = load_params(project / "params.yaml").storage
+    configure_remote(project, storage)
+    stages = ["prepare", "mix_phase@phase1"]
+    for stage in stages:
+        assert run_dvc_stage(project, stage, log_line=lambda _: None).status == "ran"
+        push_stage(project, stage)
+
+    clone = fresh_clone(project, tmp_path / "pod")
+    configure_remote(clone, storage)
+    sync_run_cache(clone)
+    statuses = [(restore_stage(clone, s), run_dvc_stage(clone, s, log_line=lambda _: None).status) for s in stages]
+    assert statuses == [("pulled", "skipped"), ("pulled", "restored")]
+    assert ran_here(clone) == []
+    for name in ("prepared.txt", "metrics/prepare.json", "mix-phase1.txt"):
+        assert (clone / name).read_bytes() == (project / name).read_bytes(), name
