@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from stages.config import Params
 
@@ -22,19 +21,11 @@ class Validator:
     def __init__(self, params: Params, tr) -> None:
         from diffusers import AutoencoderKL
 
-        from model.sampler import ddim_from_training, encode_prompts, latent_shape_for
-
         ev = params.eval
         self.every = params.train.validation_every
         self.prompts = ev.all_prompts[: params.train.validation_prompts]
-        self.steps, self.guidance, self.seed = ev.steps, ev.guidance_scale, ev.seed
-        device = tr.dist.device
-        self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(device).eval()
-        self.ddim = ddim_from_training(dict(tr.scheduler.config))
-        self.shape = latent_shape_for(tr.unet, self.vae)
-        with torch.no_grad():
-            self.cond = encode_prompts(tr.tokenizer, tr.text_encoder, self.prompts, device).float()
-            self.uncond = encode_prompts(tr.tokenizer, tr.text_encoder, [ev.negative_prompt], device).float()
+        self.steps, self.guidance, self.seed, self.negative = ev.steps, ev.guidance_scale, ev.seed, ev.negative_prompt
+        self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(tr.dist.device).eval()
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` gets validation images."""
@@ -42,25 +33,23 @@ class Validator:
 
     def images(self, tr) -> list[np.ndarray]:
         """One RGB uint8 image per validation prompt from ``tr``'s EMA weights; the live weights are put back."""
-        from model.sampler import decode_to_uint8, sample_latents
+        from stages.sampling import Pipeline, generate
 
         unet = tr.unet
+        pipe = Pipeline(unet, self.vae, tr.text_encoder, tr.tokenizer, dict(tr.scheduler.config), checkpoint_hash="")
         tr.ema.store(unet.parameters())
         tr.ema.copy_to(unet.parameters())
         unet.eval()
         try:
-            gens = [torch.Generator().manual_seed(self.seed + i) for i in range(len(self.prompts))]
-            latents = sample_latents(
-                unet,
-                self.ddim,
-                self.cond,
-                self.uncond,
+            return generate(
+                pipe,
+                self.prompts,
+                negative_prompt=self.negative,
                 steps=self.steps,
                 guidance_scale=self.guidance,
-                latent_shape=self.shape,
-                generators=gens,
+                seeds=[self.seed + i for i in range(len(self.prompts))],
+                batch_size=len(self.prompts),
             )
-            return list(decode_to_uint8(self.vae, latents).numpy())
         finally:
             unet.train()
             tr.ema.restore(unet.parameters())

@@ -36,22 +36,23 @@ def _set(params_file: Path, nproc: int, batch_size: int) -> None:
     params_file.write_text(yaml.safe_dump(data))
 
 
+def _trained(tmp_path_factory, name: str, nproc: int, batch_size: int):
+    root = tmp_path_factory.mktemp(name)
+    params = build_workspace(root)
+    _set(params, nproc=nproc, batch_size=batch_size)
+    return root, train(params, "phase1")
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """phase1 trained through the stage CLI with ``nproc_per_node: 2`` (torchrun, gloo), batch 4 per rank."""
-    root = tmp_path_factory.mktemp("ddp2")
-    params = build_workspace(root)
-    _set(params, nproc=2, batch_size=4)
-    return root, train(params, "phase1")
+    return _trained(tmp_path_factory, "ddp2", nproc=2, batch_size=4)
 
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The same phase trained by one process with batch 8."""
-    root = tmp_path_factory.mktemp("ddp1")
-    params = build_workspace(root)
-    _set(params, nproc=1, batch_size=8)
-    return root, train(params, "phase1")
+    return _trained(tmp_path_factory, "ddp1", nproc=1, batch_size=8)
 
 
 @pytest.mark.parametrize("world", [2, 4])
