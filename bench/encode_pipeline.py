@@ -122,14 +122,36 @@ def baseline(vae, images: torch.Tensor, batch_size: int, device: str, bf16: bool
     return images.shape[0] / seconds
 
 
-def ours(cfg, tars: Path, models: Path, out: Path) -> tuple[float, float, dict]:
+class _FreeDecode:
+    """Stands in for ``cv2`` in :mod:`stages.encode_inputs`: ``imdecode`` returns a copy of a ready
+    image (``--free-decode``: the ratio the pipeline would reach with a zero-cost JPEG decoder)."""
+
+    def __init__(self, size: int):
+        self.image = np.zeros((size, size, 3), np.uint8)
+
+    def imdecode(self, buf, flags):
+        return self.image.copy()
+
+    def __getattr__(self, name):
+        return getattr(cv2, name)
+
+
+def ours(cfg, tars: Path, models: Path, out: Path, free_decode: bool = False) -> tuple[float, float, dict]:
     """Images per second of the pipeline (first tar read to last shard written) and of the whole
     stage (+ loading the VAE and tokenizer, fingerprinting them, the final manifest), and its metrics."""
-    from stages import encode_latents
+    from unittest import mock
+
+    from stages import encode_inputs, encode_latents
 
     shutil.rmtree(out, ignore_errors=True)
+    patch = (
+        mock.patch.object(encode_inputs, "cv2", _FreeDecode(cfg.resolution))
+        if free_decode
+        else contextlib.nullcontext()
+    )
     t0 = time.perf_counter()
-    metrics = encode_latents.run(cfg, "bench", tars, models, out)
+    with patch:
+        metrics = encode_latents.run(cfg, "bench", tars, models, out)
     return metrics["images_per_second"], metrics["samples"] / (time.perf_counter() - t0), metrics
 
 
@@ -144,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, help="default: params.yaml encode.batch_size")
     parser.add_argument("--workers", type=int, help="decode workers (default: params.yaml encode.decode_workers)")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--free-decode", action="store_true", help="replace the JPEG decode by a copy (the ratio's ceiling without it)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from stages.config import load_params
@@ -180,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 if which == "baseline":
                     base_runs.append(baseline(vae, images, cfg.batch_size, args.device, cfg.mixed_precision == "bf16"))
                 else:
-                    ips, stage_ips, metrics = ours(cfg, tars, models, Path(tmp) / "out")
+                    ips, stage_ips, metrics = ours(cfg, tars, models, Path(tmp) / "out", args.free_decode)
                     our_runs.append(ips)
                     stage_runs.append(stage_ips)
             print(
@@ -204,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             batch_size=cfg.batch_size,
             decode_workers=cfg.decode_workers,
+            free_decode=args.free_decode,
             torch_threads=torch.get_num_threads(),
             rounds=args.rounds,
             ratio_min=min(ratios),
