@@ -14,7 +14,8 @@ the GIL, so threads overlap)::
 
 Batches never span two tars and results are consumed in submission order, so the output does
 not depend on the number of workers, nor on which tars an interrupted run had finished.
-The input side (tar stream, decoding, tokenizing) is :mod:`stages.encode_inputs`.
+The input side (tar stream, decoding, tokenizing) is :mod:`stages.encode_inputs`, the read-ahead
+and S3 downloads :mod:`stages.encode_prefetch`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,12 +36,15 @@ import torch
 
 from model.latents import encode_latents, uint8_to_model_range
 from stages.encode_inputs import Decoded, HashingReader, Tokens, decode_chunk, iter_tar_groups
+from stages.encode_prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
 _CHUNK = 8
 """Samples per decode job."""
+_ROW_FIELDS = ("key", "caption", "width", "height", "original_width", "original_height", "resized")
+"""A row's fields taken from its :class:`~stages.encode_inputs.Decoded` sample (then ``truncated``)."""
 
 
 @dataclass(frozen=True)
@@ -102,55 +105,6 @@ class _Failed:
         self.err = err
 
 
-class _Prefetcher:
-    """Makes input ``i`` local: the next ``ahead`` files are fadvise(WILLNEED)d, s3:// objects downloaded."""
-
-    def __init__(self, tars: list[TarInput], ahead: int, tmp_dir: str | None):
-        self.tars, self.ahead, self.tmp_dir = tars, ahead, tmp_dir
-        self.s3 = any(t.path.startswith("s3://") for t in tars)
-        self.pool = ThreadPoolExecutor(max(1, ahead), thread_name_prefix="prefetch") if self.s3 else None
-        self.jobs: dict[int, Future] = {}
-        self.started: set[int] = set()
-
-    def local_path(self, i: int) -> str:
-        for j in range(i, min(i + self.ahead + 1, len(self.tars))):
-            if j not in self.started:
-                self.started.add(j)
-                self._start(j)
-        return self.jobs.pop(i).result() if self.s3 else self.tars[i].path
-
-    def _start(self, j: int) -> None:
-        tar = self.tars[j]
-        if self.s3:
-            self.jobs[j] = self.pool.submit(_download, tar.path, os.path.join(self.tmp_dir, f"{j}-{tar.name}"))
-        elif hasattr(os, "posix_fadvise"):
-            with contextlib.suppress(OSError):
-                fd = os.open(tar.path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-
-    def done(self, local: str) -> None:
-        if self.s3:
-            with contextlib.suppress(OSError):
-                os.unlink(local)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-
-
-def _download(url: str, dest: str) -> str:
-    from stages.s3_inputs import download
-
-    download(url, dest)
-    return dest
-
-
-# ------------------------------------------------------------------------------------ pipeline
-
-
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
     while not stop.is_set():
         try:
@@ -195,94 +149,132 @@ def encode_shards(
     time it waited for a batch (≈ 0 when decode keeps up).
     """
     stats = Counter() if stats is None else stats
-    stop = threading.Event()
-    depth = max(2 * opts.batch_size // _CHUNK, 4 * opts.decode_workers)  # decode jobs in flight
-    decoded: queue.Queue = queue.Queue(maxsize=depth)
-    batches: queue.Queue = queue.Queue(maxsize=2)
-    pool = ThreadPoolExecutor(opts.decode_workers, thread_name_prefix="decode")
-    prefetch = _Prefetcher(tars, opts.prefetch_shards, tmp_dir)
-    device = torch.device(opts.device)
-    tokens = Tokens(tokenizer)
+    if not tars:
+        return
+    feeder = _BatchFeeder(tars, tokenizer, opts, tmp_dir)
+    feeder.start()
+    encoder = _encoder(vae, opts, feeder.device)
+    try:
+        yield from _encode_batches(feeder, encoder, stats)
+    finally:
+        feeder.close()
 
-    def read() -> None:
-        def submit(chunk: list) -> bool:
-            return not chunk or _put(decoded, pool.submit(decode_chunk, chunk, opts.resolution, opts.wrong_size), stop)
 
-        for i, tar in enumerate(tars):
-            local = prefetch.local_path(i)
+def _encode_batches(
+    feeder: _BatchFeeder, encoder: Callable[[torch.Tensor], torch.Tensor], stats: Counter
+) -> Iterator[EncodedShard]:
+    """The caller's thread: encode each batch, yield a tar's :class:`EncodedShard` at its end marker."""
+    latents, ids, rows = [], [], []
+    while True:
+        t0 = time.perf_counter()
+        item = _get(feeder.batches, feeder.stop)
+        t1 = time.perf_counter()
+        stats["wait_seconds"] += t1 - t0
+        if isinstance(item, _Batch):
+            latents.append(encoder(item.images))
+            ids.append(item.input_ids)
+            rows += item.rows
+            stats["encode_seconds"] += time.perf_counter() - t1
+            stats["images"] += len(item.rows)
+            continue
+        shard_latents = torch.cat(latents).cpu() if latents else None
+        yield EncodedShard(item.tar, item.sha256, shard_latents, torch.cat(ids) if ids else None, rows, item.counts)
+        latents, ids, rows = [], [], []
+        if item.tar is feeder.tars[-1]:
+            return
+
+
+class _BatchFeeder:
+    """The reader thread, decode pool and batcher thread that fill ``batches`` for the encoder.
+
+    ``decoded`` holds decode jobs in submission order and a :class:`_TarEnd` after each tar; ``batches``
+    holds :class:`_Batch` es and the same markers. A failing thread puts :class:`_Failed` on its output.
+    """
+
+    def __init__(self, tars: list[TarInput], tokenizer, opts: Options, tmp_dir: str | None):
+        self.tars, self.opts = tars, opts
+        self.stop = threading.Event()
+        depth = max(2 * opts.batch_size // _CHUNK, 4 * opts.decode_workers)  # decode jobs in flight
+        self.decoded: queue.Queue = queue.Queue(maxsize=depth)
+        self.batches: queue.Queue = queue.Queue(maxsize=2)
+        self.pool = ThreadPoolExecutor(opts.decode_workers, thread_name_prefix="decode")
+        self.prefetch = Prefetcher(tars, opts.prefetch_shards, tmp_dir)
+        self.device = torch.device(opts.device)
+        self.tokens = Tokens(tokenizer)
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the reader and batcher threads."""
+        self.threads = [
+            _thread(self._read, self.decoded, self.stop, "encode-reader"),
+            _thread(self._batch, self.batches, self.stop, "encode-batcher"),
+        ]
+
+    def close(self) -> None:
+        """Stop both threads, cancel pending decode jobs, wait for everything, stop the prefetcher."""
+        self.stop.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for thread in self.threads:
+            thread.join()
+        self.prefetch.close()
+
+    def _read(self) -> None:
+        """Reader thread: each tar's samples as decode jobs of ``_CHUNK``, then its end marker."""
+        for i, tar in enumerate(self.tars):
+            local = self.prefetch.local_path(i)
             counts, digest, chunk = Counter(), hashlib.sha256(), []
             with open(local, "rb", buffering=1 << 20) as raw:
                 fh = HashingReader(raw, digest)
                 for sample in iter_tar_groups(fh, counts):
                     chunk.append(sample)
                     if len(chunk) == _CHUNK:
-                        if not submit(chunk):
+                        if not self._submit(chunk):
                             return
                         chunk = []
                 fh.drain()
-            prefetch.done(local)
-            if not submit(chunk) or not _put(decoded, _TarEnd(tar, digest.hexdigest(), counts), stop):
+            self.prefetch.done(local)
+            end = _TarEnd(tar, digest.hexdigest(), counts)
+            if (chunk and not self._submit(chunk)) or not _put(self.decoded, end, self.stop):
                 return
 
-    def batch() -> None:
+    def _submit(self, chunk: list) -> bool:
+        """Queue a decode job for ``chunk``; False once stopped."""
+        job = self.pool.submit(decode_chunk, chunk, self.opts.resolution, self.opts.wrong_size)
+        return _put(self.decoded, job, self.stop)
+
+    def _batch(self) -> None:
+        """Batcher thread: decoded samples, in order, into batches that never span two tars."""
         pending: list[Decoded] = []
         tally = Counter()  # the tar's per-sample counts (skipped, resized, captions), kept off the VAE's thread
         while True:
-            item = _get(decoded, stop)
+            item = _get(self.decoded, self.stop)
             if isinstance(item, _TarEnd):
-                if pending and not _put(batches, _make_batch(pending, tokens, device, tally), stop):
+                if not self._end_tar(item, pending, tally) or item.tar is self.tars[-1]:
                     return
-                item.counts.update(tally)
                 pending, tally = [], Counter()
-                if not _put(batches, item, stop) or item.tar is tars[-1]:
-                    return
-                continue
-            for sample in item.result():
-                if sample.image is None:
-                    tally[f"skipped_{sample.problem}"] += 1
-                    log.warning("sample %s skipped: %s", sample.key, sample.problem)
-                    continue
-                pending.append(sample)
-                if len(pending) == opts.batch_size:
-                    if not _put(batches, _make_batch(pending, tokens, device, tally), stop):
-                        return
-                    pending = []
-
-    if not tars:
-        return
-    threads = [_thread(read, decoded, stop, "encode-reader"), _thread(batch, batches, stop, "encode-batcher")]
-    encoder = _encoder(vae, opts, device)
-    try:
-        latents, ids, rows = [], [], []
-        while True:
-            t0 = time.perf_counter()
-            item = _get(batches, stop)
-            t1 = time.perf_counter()
-            stats["wait_seconds"] += t1 - t0
-            if isinstance(item, _Batch):
-                latents.append(encoder(item.images))
-                ids.append(item.input_ids)
-                rows += item.rows
-                stats["encode_seconds"] += time.perf_counter() - t1
-                stats["images"] += len(item.rows)
-                continue
-            yield EncodedShard(
-                item.tar,
-                item.sha256,
-                torch.cat(latents).cpu() if latents else None,
-                torch.cat(ids) if ids else None,
-                rows,
-                item.counts,
-            )
-            latents, ids, rows = [], [], []
-            if item.tar is tars[-1]:
+            elif not self._add_samples(item.result(), pending, tally):
                 return
-    finally:
-        stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
-        for thread in threads:
-            thread.join()
-        prefetch.close()
+
+    def _add_samples(self, samples: list[Decoded], pending: list[Decoded], tally: Counter) -> bool:
+        """Append decoded ``samples`` to ``pending``, putting each full batch; False once stopped."""
+        for sample in samples:
+            if sample.image is None:
+                tally[f"skipped_{sample.problem}"] += 1
+                log.warning("sample %s skipped: %s", sample.key, sample.problem)
+                continue
+            pending.append(sample)
+            if len(pending) == self.opts.batch_size:
+                if not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
+                    return False
+                pending.clear()  # _make_batch keeps no reference to the list
+        return True
+
+    def _end_tar(self, end: _TarEnd, pending: list[Decoded], tally: Counter) -> bool:
+        """Put the tar's last, short batch and then its end marker (with the tar's counts); False once stopped."""
+        if pending and not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
+            return False
+        end.counts.update(tally)
+        return _put(self.batches, end, self.stop)
 
 
 def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, counts: Counter) -> _Batch:
@@ -295,17 +287,7 @@ def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, co
     if device.type == "cuda":
         images = images.pin_memory()
     rows = [
-        {
-            "key": s.key,
-            "caption": s.caption,
-            "width": s.width,
-            "height": s.height,
-            "original_width": s.original_width,
-            "original_height": s.original_height,
-            "resized": s.resized,
-            "truncated": t,
-        }
-        for s, t in zip(samples, truncated, strict=True)
+        {**{f: getattr(s, f) for f in _ROW_FIELDS}, "truncated": t} for s, t in zip(samples, truncated, strict=True)
     ]
     return _Batch(images, ids, rows)
 
