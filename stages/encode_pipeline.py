@@ -153,8 +153,8 @@ def encode_shards(
         return
     feeder = _BatchFeeder(tars, tokenizer, opts, tmp_dir)
     feeder.start()
-    encoder = _encoder(vae, opts, feeder.device)
-    try:
+    try:  # a failing VAE set-up (device, compile) must stop the input threads too
+        encoder = _encoder(vae, opts, feeder.device)
         yield from _encode_batches(feeder, encoder, stats)
     finally:
         feeder.close()

@@ -359,3 +359,30 @@ def test_no_tars_is_an_input_error(models, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no .tar shards"):
         encode_latents.run(cfg(), "laion", tmp_path / "empty", models, tmp_path / "out")
+
+
+def test_a_failing_vae_setup_stops_the_input_threads(tmp_path):
+    """The encoder is built after the reader/batcher/decode threads start: if that fails, they stop."""
+    import threading
+
+    from stages.encode_pipeline import Options, TarInput, encode_shards
+
+    paths = write_tars(tmp_path / "shards", n_tars=2, per_tar=20)
+    tars = [TarInput(i, p.name, str(p), p.stat().st_size) for i, p in enumerate(paths)]
+
+    class BrokenVae:
+        def to(self, device):
+            raise RuntimeError("no such device: cuda:7")
+
+    before = set(threading.enumerate())
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_only_models(tmp_path) / "tokenizer")
+    with pytest.raises(RuntimeError, match="cuda:7"):
+        list(encode_shards(tars, BrokenVae(), tokenizer, Options(batch_size=4, resolution=RES, decode_workers=2)))
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert left == []
+
+
+def tokenizer_only_models(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    write_demo_tokenizer(WORDS, root / "tokenizer", 77)
+    return root
