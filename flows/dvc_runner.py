@@ -139,8 +139,11 @@ def clear_stale_locks(root: str | Path) -> list[str]:
                     return state != "dvc"
 
                 write = {p: i for p, i in lock.get("write", {}).items() if not stale(i, p, "write")}
-                read = {p: kept for p, infos in lock.get("read", {}).items()
-                        if (kept := [i for i in infos if not stale(i, p, "read")])}
+                read = {
+                    p: kept
+                    for p, infos in lock.get("read", {}).items()
+                    if (kept := [i for i in infos if not stale(i, p, "read")])
+                }
                 if removed:
                     rwlock.write_text(json.dumps({"write": write, "read": read}))
     for line in removed:
@@ -190,6 +193,72 @@ def kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
     proc.wait()
 
 
+def start_in_own_session(cmd: list[str], cwd: str | Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in ``cwd`` as the leader of a new session (so its whole group can be killed), with stdout
+    and stderr merged into one line-buffered text pipe and no stdin."""
+    return subprocess.Popen(
+        cmd,
+        cwd=str(cwd),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,
+    )
+
+
+def stream_lines(proc: subprocess.Popen, thread_name: str | None = None) -> queue.Queue[str | None]:
+    """A queue that a daemon thread fills with each output line of ``proc`` (newline stripped), then ``None``."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=pump, name=thread_name, daemon=True).start()
+    return lines
+
+
+def _status_after(line: str, stage: str, status: str) -> str:
+    """The stage's status once DVC has logged ``line``: ``ran``, ``restored``, or ``status`` unchanged."""
+    if _RAN.format(stage) in line:
+        return "ran"
+    if _RESTORED.format(stage) in line:
+        return "restored"
+    return status
+
+
+def _follow_output(
+    stage: str,
+    lines: queue.Queue[str | None],
+    log_line: Callable[[str], None],
+    deadline: float | None,
+    tail: collections.deque[str],
+) -> str | None:
+    """Pass each output line to ``log_line`` (and ``tail``) until the output ends.
+
+    Returns the stage's status (``ran``, ``restored`` or ``skipped``), or ``None`` if ``deadline`` passed first.
+    """
+    status = "skipped"
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            return status
+        tail.append(line)
+        log_line(line)
+        status = _status_after(line, stage, status)
+
+
 def run_dvc_stage(
     root: str | Path,
     stage: str,
@@ -205,50 +274,14 @@ def run_dvc_stage(
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    lines: queue.Queue[str | None] = queue.Queue()
-    status = "skipped"
     clear_stale_locks(root)
-
-    proc = subprocess.Popen(
-        cmd,
-        cwd=str(root),
-        env=stage_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        bufsize=1,
-        start_new_session=True,
-    )
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    reader = threading.Thread(target=pump, name=f"dvc-{stage}", daemon=True)
-    reader.start()
+    proc = start_in_own_session(cmd, root, stage_env())
+    lines = stream_lines(proc, thread_name=f"dvc-{stage}")
     try:
-        while True:
-            if deadline is not None and time.monotonic() > deadline:
-                kill_group(proc)
-                raise StageFailed(
-                    f"stage {stage} timed out after {timeout_s:g} s; last output:\n" + "\n".join(tail)
-                )
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            tail.append(line)
-            log_line(line)
-            if _RAN.format(stage) in line:
-                status = "ran"
-            elif _RESTORED.format(stage) in line:
-                status = "restored"
+        status = _follow_output(stage, lines, log_line, deadline, tail)
+        if status is None:
+            kill_group(proc)
+            raise StageFailed(f"stage {stage} timed out after {timeout_s:g} s; last output:\n" + "\n".join(tail))
         rc = proc.wait()
     except BaseException:
         # cancel, TerminationSignal, KeyboardInterrupt, timeout: take the whole group down

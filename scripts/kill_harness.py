@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import os
 import queue
@@ -38,29 +37,69 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from flows.dvc_runner import start_in_own_session, stream_lines
+from scripts.kill_checks import (
+    Episode,
+    Kill,
+    checkpoint_problems,
+    differing_keys,
+    lock_outs,
+    result_hashes,
+    shard_problems,
+    stage_type,
+    summarize,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 RUNNING = re.compile(r"Running stage '([^']+)'")
 SKIPPED = re.compile(r"Stage '([^']+)' didn't change, skipping")
 RESTORED = re.compile(r"Stage '([^']+)' is cached - skipping run")
-STAGE_TARGETS = ("fetch_images", "prepare_models", "encode_latents", "train", "eval_grid",
-                 "download_metadata", "filter_metadata", "mix_phase", "make_demo_data")
+STAGE_TARGETS = (
+    "fetch_images",
+    "prepare_models",
+    "encode_latents",
+    "train",
+    "eval_grid",
+    "download_metadata",
+    "filter_metadata",
+    "mix_phase",
+    "make_demo_data",
+)
 """Stage types a kill can be aimed at, most interesting first (resumable or long stages)."""
 SPECIAL_TARGETS = ("checkpoint", "push")
-DEFAULT_ROTATION = ("fetch_images", "prepare_models", "encode_latents", "train", "checkpoint", "eval_grid",
-                    "push", "train", "checkpoint", "mix_phase", "filter_metadata")
+DEFAULT_ROTATION = (
+    "fetch_images",
+    "prepare_models",
+    "encode_latents",
+    "train",
+    "checkpoint",
+    "eval_grid",
+    "push",
+    "train",
+    "checkpoint",
+    "mix_phase",
+    "filter_metadata",
+)
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(NO_ALBUMENTATIONS_UPDATE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
-               DVC_NO_ANALYTICS="1", SDFORGE_PROGRESS="0", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="2")
+    env.update(
+        NO_ALBUMENTATIONS_UPDATE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        DVC_NO_ANALYTICS="1",
+        SDFORGE_PROGRESS="0",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="2",
+    )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     for key in ("MLFLOW_TRACKING_URI", "PYTHONPATH"):
         env.pop(key, None)
@@ -91,16 +130,13 @@ def make_project(dest: Path, port: int, remote: Path | None = None) -> Path:
 
 
 def _dvc(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), capture_output=True, text=True, timeout=1800
+    )
     if check and proc.returncode != 0:
         out = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         raise RuntimeError(f"dvc {' '.join(args)} exited {proc.returncode}:\n{out}")
     return proc
-
-
-def stage_type(stage: str) -> str:
-    return stage.split("@")[0]
 
 
 # -- one `dvc` invocation, possibly killed -------------------------------------------------------
@@ -154,69 +190,97 @@ def kill_group(proc: subprocess.Popen) -> list[int]:
     return left
 
 
-def run_killable(root: Path, args: list[str], target: str | None, rng: random.Random,
-                 durations: dict[str, float], log) -> Attempt:
+class _KillTimer:
+    """When to kill one attempt aimed at ``target`` (the kill points are in the module docstring)."""
+
+    def __init__(self, target: str | None, rng: random.Random, durations: dict[str, float], runs_dir: Path):
+        self.target, self.rng, self.durations, self.runs_dir = target, rng, durations, runs_dir
+        self.stage_start = time.monotonic()
+        self.kill_at: float | None = None
+        if target == "push":
+            self.kill_at = self.stage_start + rng.uniform(0.2, 0.9) * durations.get("push", 3.0)
+        self.stale = {_identity(p) for p in _half_written_checkpoints(runs_dir)}  # left by an earlier kill
+
+    @property
+    def poll_s(self) -> float:
+        """How long to wait for an output line: short while watching for a checkpoint write."""
+        return 0.01 if self.target == "checkpoint" else 0.05
+
+    def checkpoint_being_written(self) -> bool:
+        """A checkpoint write started in this attempt and has not been renamed into place yet."""
+        return _new_half_written(self.runs_dir, self.stale)
+
+    def due(self, now: float, current: str | None) -> bool:
+        """Kill now: the kill time has come, or (``checkpoint``) ``current``, a train stage, writes a checkpoint."""
+        if self.target == "checkpoint" and current and stage_type(current) == "train" and self.runs_dir.is_dir():
+            if self.checkpoint_being_written():
+                self.kill_at = now
+        return self.kill_at is not None and now >= self.kill_at
+
+    def seconds_in_stage(self) -> float:
+        return round(time.monotonic() - self.stage_start, 2)
+
+    def stage_started(self, stage: str) -> None:
+        """Restart the stage clock; if ``stage`` is of the target type, pick a kill time inside it."""
+        self.stage_start = time.monotonic()
+        self.kill_at = None
+        if self.target not in SPECIAL_TARGETS and stage_type(stage) == self.target:
+            self.kill_at = self.stage_start + self.rng.uniform(0.05, 0.9) * self.durations.get(stage, 2.0)
+
+
+def _record_line(att: Attempt, timer: _KillTimer, line: str) -> None:
+    """Note a stage that DVC starts (closing the previous stage's clock) or skips."""
+    if m := RUNNING.search(line):
+        if att.ran:
+            att.stage_seconds[att.ran[-1]] = timer.seconds_in_stage()
+        att.ran.append(m[1])
+        timer.stage_started(m[1])
+    elif m := SKIPPED.search(line) or RESTORED.search(line):
+        att.skipped.append(m[1])
+
+
+def _kill_attempt(att: Attempt, proc: subprocess.Popen, lines: queue.Queue, timer: _KillTimer, now: float) -> None:
+    """SIGKILL the attempt's group; note where the kill landed and read what was left in the pipe."""
+    target = timer.target
+    current = att.ran[-1] if att.ran else None
+    att.killed_in = "push" if target == "push" else f"{current}{'+ckpt' if target == 'checkpoint' else ''}"
+    att.killed_at_s = round(now - timer.stage_start, 2)
+    att.leftover_pids = kill_group(proc)
+    att.rc = proc.returncode
+    if target == "checkpoint" and not timer.checkpoint_being_written():
+        att.killed_in += "(done)"  # the write had finished (renamed into place) before the kill
+    while (line := _drain(lines)) is not None:
+        att.lines.append(line)
+        if (m := RUNNING.search(line)) and target != "push":  # DVC had moved on before the kill
+            att.ran.append(m[1])
+            att.killed_in = m[1]
+
+
+def run_killable(
+    root: Path, args: list[str], target: str | None, rng: random.Random, durations: dict[str, float], log
+) -> Attempt:
     """Run ``dvc <args>`` in its own session; kill it at ``target`` (see the module docstring)."""
     att = Attempt()
-    proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=root, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
-                            bufsize=1, start_new_session=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    start = time.monotonic()
-    stage_start = start
-    kill_at: float | None = None
-    if target == "push":
-        kill_at = start + rng.uniform(0.2, 0.9) * durations.get("push", 3.0)
-    runs_dir = root / "runs"
-    stale = {_identity(p) for p in _half_written_checkpoints(runs_dir)}  # left by an earlier kill
+    proc = start_in_own_session([sys.executable, "-m", "dvc", *args], root, _env())
+    lines = stream_lines(proc)
+    timer = _KillTimer(target, rng, durations, root / "runs")
     while True:
         now = time.monotonic()
-        current = att.ran[-1] if att.ran else None
-        if target == "checkpoint" and current and stage_type(current) == "train" and runs_dir.is_dir():
-            if _new_half_written(runs_dir, stale):
-                kill_at = now
-        if kill_at is not None and now >= kill_at:
-            att.killed_in = "push" if target == "push" else f"{current}{'+ckpt' if target == 'checkpoint' else ''}"
-            att.killed_at_s = round(now - stage_start, 2)
-            att.leftover_pids = kill_group(proc)
-            att.rc = proc.returncode
-            if target == "checkpoint" and not _new_half_written(runs_dir, stale):
-                att.killed_in += "(done)"  # the write had finished (renamed into place) before the kill
-            while (line := _drain(lines)) is not None:
-                att.lines.append(line)
-                if (m := RUNNING.search(line)) and target != "push":  # DVC had moved on before the kill
-                    att.ran.append(m[1])
-                    att.killed_in = m[1]
+        if timer.due(now, att.ran[-1] if att.ran else None):
+            _kill_attempt(att, proc, lines, timer, now)
             return att
         try:
-            line = lines.get(timeout=0.01 if target == "checkpoint" else 0.05)
+            line = lines.get(timeout=timer.poll_s)
         except queue.Empty:
             continue
         if line is None:
             break
         att.lines.append(line)
         log(line)
-        if m := RUNNING.search(line):
-            if att.ran:
-                att.stage_seconds[att.ran[-1]] = round(time.monotonic() - stage_start, 2)
-            att.ran.append(m[1])
-            stage_start = time.monotonic()
-            kill_at = None
-            if target not in SPECIAL_TARGETS and stage_type(m[1]) == target:
-                kill_at = stage_start + rng.uniform(0.05, 0.9) * durations.get(m[1], 2.0)
-        elif m := SKIPPED.search(line) or RESTORED.search(line):
-            att.skipped.append(m[1])
+        _record_line(att, timer, line)
     att.rc = proc.wait()
     if att.ran:
-        att.stage_seconds[att.ran[-1]] = round(time.monotonic() - stage_start, 2)
+        att.stage_seconds[att.ran[-1]] = timer.seconds_in_stage()
     return att
 
 
@@ -252,41 +316,14 @@ def _drain(lines: queue.Queue) -> str | None:
 
 
 # -- checks --------------------------------------------------------------------------------------
-def sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def result_hashes(root: Path) -> dict[str, str]:
-    """sha256 of each phase's EMA (and live) safetensors and eval grid PNG."""
-    out = {}
-    for phase_dir in sorted((root / "checkpoints").iterdir()):
-        if phase_dir.name == "scratch":
-            continue
-        for f in sorted(phase_dir.glob("unet*/*.safetensors")):
-            out[f.relative_to(root).as_posix()] = sha256(f)
-    for grid in sorted((root / "eval").glob("*/grid.png")):
-        out[grid.relative_to(root).as_posix()] = sha256(grid)
-    return out
-
-
-def lock_outs(root: Path) -> dict[str, str]:
-    """Every DVC output's md5 from ``dvc.lock`` (metrics JSONs excluded: they hold timings)."""
-    lock = yaml.safe_load((root / "dvc.lock").read_text())
-    outs = {}
-    for name, stage in lock["stages"].items():
-        for out in stage.get("outs", []):
-            if not out["path"].startswith("metrics/"):
-                outs[f"{name}:{out['path']}"] = out["md5"]
-    return outs
-
-
 def corrupt_artifacts(root: Path) -> list[str]:
     """Problems found: DVC status not clean, a checkpoint failing its manifest, a bad latent shard."""
     sys.path.insert(0, str(REPO))
-    from stages.checkpoints import CheckpointError, checkpoint_dirs, verify_checkpoint
-    from stages.latent_store import check_shard
+    return _dvc_status_problems(root) + checkpoint_problems(root) + shard_problems(root)
 
+
+def _dvc_status_problems(root: Path) -> list[str]:
+    """``dvc status`` and ``dvc status -c`` (the remote) not clean, with the start of their output."""
     problems = []
     status = _dvc(root, "status", "--json").stdout.strip()
     if json.loads(status or "{}"):
@@ -294,43 +331,10 @@ def corrupt_artifacts(root: Path) -> list[str]:
     cloud = _dvc(root, "status", "-c", "--json", check=False)
     if cloud.returncode != 0 or json.loads(cloud.stdout.strip() or "{}"):
         problems.append(f"dvc status -c not clean: {(cloud.stdout + cloud.stderr)[:500]}")
-    for run_dir in sorted((root / "runs").glob("*")):
-        for ckpt in checkpoint_dirs(run_dir):
-            try:
-                verify_checkpoint(ckpt)
-            except CheckpointError as err:
-                problems.append(str(err))
-    for src in sorted((root / "data/latents").glob("*")):
-        for part in sorted(src.glob("shard-*.parquet")):
-            try:
-                check_shard(src, int(part.stem.split("-")[1]))
-            except Exception as err:  # noqa: BLE001 - any failure is a corrupt shard
-                problems.append(f"{part}: {err}")
     return problems
 
 
 # -- the harness ---------------------------------------------------------------------------------
-@dataclass
-class Kill:
-    episode: int
-    target: str
-    landed: str
-    after_s: float
-    leftover: int
-
-
-@dataclass
-class Episode:
-    kills: list[Kill] = field(default_factory=list)
-    reruns: list[str] = field(default_factory=list)
-    corrupt: list[str] = field(default_factory=list)
-    hash_diff: list[str] = field(default_factory=list)
-    lock_diff: list[str] = field(default_factory=list)
-    attempts: int = 0
-    push_repairs: list[int] = field(default_factory=list)
-    """Per killed push: the extra pushes needed before the remote was complete."""
-
-
 def reference(workdir: Path, port: int, log) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
     root = make_project(workdir / "reference", port, remote=workdir / "reference-remote")
     att = run_killable(root, ["repro"], None, random.Random(0), {}, log)
@@ -356,8 +360,19 @@ def push_until_in_sync(root: Path, tries: int = 3) -> int:
     raise RuntimeError(f"{root}: remote still not in sync after {tries} pushes")
 
 
-def run_episode(index: int, targets: collections.deque, workdir: Path, port: int, rng: random.Random,
-                durations: dict[str, float], ref_hashes: dict[str, str], ref_outs: dict[str, str], log) -> Episode:
+def run_episode(
+    index: int,
+    targets: collections.deque,
+    workdir: Path,
+    port: int,
+    rng: random.Random,
+    durations: dict[str, float],
+    ref_hashes: dict[str, str],
+    ref_outs: dict[str, str],
+    log,
+) -> Episode:
+    """Run ``dvc repro`` in a fresh clone, killing it at ``targets`` (in order) until the DAG completes, then the
+    ``push`` targets; then check the project against the reference. Spent targets are popped from ``targets``."""
     ep = Episode()
     root = make_project(workdir / f"episode{index}", port, remote=workdir / f"episode{index}-remote")
     completed: set[str] = set()
@@ -378,9 +393,33 @@ def run_episode(index: int, targets: collections.deque, workdir: Path, port: int
         if att.rc != 0:
             raise RuntimeError(f"episode {index}: dvc repro exited {att.rc}:\n" + "\n".join(att.lines[-60:]))
         done = True
+    _kill_pushes(ep, index, root, workdir / f"episode{index}-remote", targets, rng, durations, log)
+    _dvc(root, "push")
+    final = run_killable(root, ["repro"], None, rng, durations, log)
+    ep.reruns += final.ran
+    ep.corrupt = corrupt_artifacts(root)
+    hashes = result_hashes(root)
+    ep.hash_diff = differing_keys(ref_hashes, hashes)
+    outs = lock_outs(root)
+    ep.lock_diff = differing_keys(ref_outs, outs)
+    return ep
+
+
+def _kill_pushes(
+    ep: Episode,
+    index: int,
+    root: Path,
+    remote: Path,
+    targets: collections.deque,
+    rng: random.Random,
+    durations: dict[str, float],
+    log,
+) -> None:
+    """Spend the ``push`` targets at the front of ``targets``: a full push to the emptied ``remote``, killed,
+    then pushed until in sync. Gives up after 5 pushes that finished before their kill point."""
     misses = 0
     while targets and targets[0] == "push" and misses < 5:
-        shutil.rmtree(workdir / f"episode{index}-remote", ignore_errors=True)  # an empty remote: a full push
+        shutil.rmtree(remote, ignore_errors=True)  # an empty remote: a full push
         att = run_killable(root, ["push"], "push", rng, durations, log)
         if att.killed_in is None:
             log("### push finished before its kill point; emptying the remote and trying again")
@@ -389,15 +428,6 @@ def run_episode(index: int, targets: collections.deque, workdir: Path, port: int
         targets.popleft()
         ep.kills.append(Kill(index, "push", "push", att.killed_at_s, len(att.leftover_pids)))
         ep.push_repairs.append(push_until_in_sync(root))
-    _dvc(root, "push")
-    final = run_killable(root, ["repro"], None, rng, durations, log)
-    ep.reruns += final.ran
-    ep.corrupt = corrupt_artifacts(root)
-    hashes = result_hashes(root)
-    ep.hash_diff = sorted(k for k in ref_hashes.keys() | hashes.keys() if ref_hashes.get(k) != hashes.get(k))
-    outs = lock_outs(root)
-    ep.lock_diff = sorted(k for k in ref_outs.keys() | outs.keys() if ref_outs.get(k) != outs.get(k))
-    return ep
 
 
 def plan(kills: int) -> collections.deque:
@@ -413,42 +443,25 @@ def order_targets(targets: collections.deque, order: list[str]) -> collections.d
     return collections.deque(sorted(targets, key=lambda t: rank.get(t, 0)))
 
 
-def summarize(episodes: list[Episode], seconds: float) -> tuple[str, bool]:
-    kills = [k for ep in episodes for k in ep.kills]
-    rows = ["episode  target          landed in                       after_s  leftover_pids"]
-    rows += [f"{k.episode:>7}  {k.target:<14}  {k.landed:<30}  {k.after_s:>7}  {k.leftover:>13}" for k in kills]
-    by_stage = collections.Counter(stage_type(k.landed.split("+")[0]) + ("+ckpt" if "+ckpt" in k.landed else "")
-                                   for k in kills)
-    reruns = [r for ep in episodes for r in ep.reruns]
-    corrupt = [c for ep in episodes for c in ep.corrupt]
-    hash_diff = [d for ep in episodes for d in ep.hash_diff]
-    lock_diff = sorted({d for ep in episodes for d in ep.lock_diff})
-    leftover = sum(k.leftover for k in kills)
-    rows.append("")
-    rows.append(f"episodes: {len(episodes)}, dvc repro attempts: {sum(ep.attempts for ep in episodes)}, "
-                f"wall time {seconds:.0f} s")
-    rows.append(f"landed by stage: {dict(sorted(by_stage.items()))}")
-    rows.append(f"completed stages rerun: {reruns or 'none'}")
-    rows.append(f"corrupt artifacts: {corrupt or 'none'}")
-    rows.append(f"EMA/grid hashes differing from the uninterrupted run: {hash_diff or 'none'}")
-    rows.append(f"other DVC outputs differing (dvc.lock md5): {lock_diff or 'none'}")
-    repairs = [r for ep in episodes for r in ep.push_repairs]
-    rows.append(f"killed pushes whose next push left the remote incomplete (a 2nd push fixed it): "
-                f"{sum(1 for r in repairs if r)} of {len(repairs)}")
-    ok = not reruns and not corrupt and not hash_diff and leftover == 0
-    landed = ",".join(f"{k}:{v}" for k, v in sorted(by_stage.items()))
-    rows.append(f"RESULT kills={len(kills)} landed={landed} corrupt={len(corrupt)} reruns={len(reruns)} "
-                f"leftover_pids={leftover} hash_equal={str(not hash_diff).lower()} "
-                f"outs_equal={str(not lock_diff).lower()} ok={str(ok).lower()}")
-    return "\n".join(rows), ok
+def _episode_line(number: int, ep: Episode) -> str:
+    """The progress line printed after each episode."""
+    return (
+        f"### episode {number}: {len(ep.kills)} kills, {len(ep.reruns)} reruns, "
+        f"{len(ep.corrupt)} corrupt, hash diff {ep.hash_diff}, outs diff {ep.lock_diff}, "
+        f"push repairs {ep.push_repairs}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--targets", nargs="*", help=f"kill points (default: a rotation of {DEFAULT_ROTATION})",
-                    choices=STAGE_TARGETS + SPECIAL_TARGETS)
+    ap.add_argument(
+        "--targets",
+        nargs="*",
+        help=f"kill points (default: a rotation of {DEFAULT_ROTATION})",
+        choices=STAGE_TARGETS + SPECIAL_TARGETS,
+    )
     ap.add_argument("--workdir", type=Path, help="keep the projects here (default: a temp dir, deleted)")
     ap.add_argument("--max-episodes", type=int, default=10)
     ap.add_argument("-v", "--verbose", action="store_true", help="echo dvc's output")
@@ -472,9 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             ep = run_episode(len(episodes), block, workdir, port, rng, durations, ref_hashes, ref_outs, log)
             episodes.append(ep)
             targets = block
-            print(f"### episode {len(episodes) - 1}: {len(ep.kills)} kills, {len(ep.reruns)} reruns, "
-                  f"{len(ep.corrupt)} corrupt, hash diff {ep.hash_diff}, outs diff {ep.lock_diff}, "
-                  f"push repairs {ep.push_repairs}", flush=True)
+            print(_episode_line(len(episodes) - 1, ep), flush=True)
             if len(block) == before:
                 break  # no kill point could be hit (stage too short?)
         report, ok = summarize(episodes, time.monotonic() - start)
