@@ -18,7 +18,7 @@ import tarfile
 import zipfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from pathlib import Path
 
 from stages.sources.rows import inside, safe_member
@@ -153,20 +153,33 @@ def stream_tar(
     again as a ``duplicate`` rejection (which overrides the first). Read errors end the stream: the
     members not seen by then are yielded, last, as ``failed_to_download`` with the error.
     """
-    stem, seen, unsafe_names, error = archive_stem(archive), set(), 0, None
+    seen: set[str] = set()
+    error, unsafe_names = yield from _stream_wanted(path, archive_stem(archive), members, max_bytes, seen)
+    if error:
+        log.warning("%s: %s", archive, error)
+    if unsafe_names:
+        log.warning("%s: ignored %d members with unsafe names (absolute or '..')", archive, unsafe_names)
+    for member in members:
+        if member not in seen:
+            yield member, MemberRejected("failed_to_download", error or "member not in archive")
+
+
+_Streamed = Generator[tuple[str, bytes | MemberRejected], None, tuple[str | None, int]]
+
+
+def _stream_wanted(path: Path, stem: str, members: Mapping[str, object], max_bytes: int, seen: set[str]) -> _Streamed:
+    """Yield the wanted members in archive order, adding each to ``seen`` (a member whose read fails is
+    left out); return the read error that ended the stream (or None) and the count of unsafe names."""
     try:
         tar = tarfile.open(path, "r|*")
     except _READ_ERRORS as err:
-        tar, error = None, f"archive unreadable ({type(err).__name__}: {err})"
-    while tar is not None:
-        try:
-            info = tar.next()
-            tar.members = []  # streaming: keep no index of the archive in memory
-        except _READ_ERRORS as err:
-            info, error = None, f"archive unreadable after {len(seen)} wanted members ({type(err).__name__}: {err})"
+        return f"archive unreadable ({type(err).__name__}: {err})", 0
+    unsafe_names = 0
+    while True:
+        info, error = _next_header(tar, wanted_so_far=len(seen))
         if info is None:
             _close_quietly(tar)
-            break
+            return error, unsafe_names
         name = safe_member(info.name)
         if name is None:
             unsafe_names += 1
@@ -178,27 +191,41 @@ def stream_tar(
             yield member, MemberRejected("duplicate", "member appears more than once in the archive")
             continue
         seen.add(member)
-        problem = _tar_member_problem(info)
-        if problem:
-            yield member, MemberRejected("unsafe_member", problem)
-            continue
-        if info.size > max_bytes:
-            yield member, MemberRejected("too_large", f"member of {info.size} bytes > {max_bytes}")
+        rejection = _member_rejection(info, max_bytes)
+        if rejection:
+            yield member, rejection
             continue
         try:
-            fh = tar.extractfile(info)
-            assert fh is not None
-            data = fh.read()
+            data = _read_member(tar, info)
         except _READ_ERRORS as err:
-            error = f"archive unreadable at {info.name} ({type(err).__name__}: {err})"
             seen.discard(member)
             _close_quietly(tar)
-            break
+            return f"archive unreadable at {info.name} ({type(err).__name__}: {err})", unsafe_names
         yield member, data
-    if error:
-        log.warning("%s: %s", archive, error)
-    if unsafe_names:
-        log.warning("%s: ignored %d members with unsafe names (absolute or '..')", archive, unsafe_names)
-    for member in members:
-        if member not in seen:
-            yield member, MemberRejected("failed_to_download", error or "member not in archive")
+
+
+def _next_header(tar: tarfile.TarFile, wanted_so_far: int) -> tuple[tarfile.TarInfo | None, str | None]:
+    """The next member's header and no error; ``(None, None)`` at the end; ``(None, error)`` when unreadable."""
+    try:
+        info = tar.next()
+        tar.members = []  # streaming: keep no index of the archive in memory
+    except _READ_ERRORS as err:
+        return None, f"archive unreadable after {wanted_so_far} wanted members ({type(err).__name__}: {err})"
+    return info, None
+
+
+def _member_rejection(info: tarfile.TarInfo, max_bytes: int) -> MemberRejected | None:
+    """Why a wanted member is not read (not a regular file, or over ``max_bytes``), or None."""
+    problem = _tar_member_problem(info)
+    if problem:
+        return MemberRejected("unsafe_member", problem)
+    if info.size > max_bytes:
+        return MemberRejected("too_large", f"member of {info.size} bytes > {max_bytes}")
+    return None
+
+
+def _read_member(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """The bytes of the regular member ``info``, the stream's current one; read errors propagate."""
+    fh = tar.extractfile(info)
+    assert fh is not None
+    return fh.read()

@@ -16,115 +16,54 @@ from pathlib import Path
 import torch
 
 from stages.checkpoints import Progress, Retention, capture_rng, restore_rng, save_checkpoint
-from stages.common import InputError
 from stages.config import SCRATCH, Params, Phase, Train
 from stages.distributed import Dist, sample_generators
 from stages.latent_loader import LatentIndexDataset, batches_per_epoch, iter_batches
+from stages.unet_init import load_foreign_weights, load_init_unet
 
 log = logging.getLogger(__name__)
-
-ARCH_KEYS = (
-    "block_out_channels",
-    "layers_per_block",
-    "cross_attention_dim",
-    "attention_head_dim",
-    "down_block_types",
-    "up_block_types",
-    "in_channels",
-    "out_channels",
-    "norm_num_groups",
-)
-
-
-def load_init_unet(init_dir: Path, weights: str, spec: dict):
-    """The phase's starting UNet; architecture keys must equal ``models.unet``'s, else a clear error."""
-    from diffusers import UNet2DConditionModel
-
-    sub = "unet_ema" if weights == "ema" else "unet"
-    path = init_dir / sub
-    if not (path / "config.json").is_file():
-        raise InputError(f"{path}: no UNet checkpoint to start from (run the previous phase or prepare_models)")
-    unet = UNet2DConditionModel.from_pretrained(path)
-    for key in ARCH_KEYS:
-        want, got = spec.get(key), unet.config.get(key)
-        if _norm(want) != _norm(got):
-            raise InputError(f"{path}: checkpoint has {key}={got!r} but params models.unet.{key}={want!r}")
-    return unet
-
-
-def _norm(v):
-    return list(v) if isinstance(v, list | tuple) else v
 
 
 class Trainer:
     """The phase's model, optimizer, schedule, EMA and data, with checkpoint save/restore."""
 
     def __init__(self, params: Params, phase_name: str, dist: Dist):
-        from diffusers import DDPMScheduler, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTokenizer
-
-        from model.diffusion import TrainingEMA, build_lr_scheduler, optimizer_steps
-        from model.sampler import encode_prompts
-
         self.params, self.phase_name, self.dist = params, phase_name, dist
         self.phase: Phase = params.phases[phase_name]
         self.cfg: Train = params.train
         paths, models = params.paths, Path(params.paths.models)
-        cuda = dist.device.type == "cuda"
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = self.cfg.tf32
-            torch.backends.cudnn.allow_tf32 = self.cfg.tf32
+        _allow_tf32(dist.device, self.cfg.tf32)
         self.data = LatentIndexDataset(Path(paths.mixes) / f"{phase_name}.parquet", Path(paths.latents))
-        self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
-        self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
-        te_dtype = torch.bfloat16 if cuda and self.cfg.text_encoder_dtype == "bf16" else torch.float32
-        self.text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
-        self.text_encoder.to(dist.device, dtype=te_dtype).eval()
-        self.text_encoder.requires_grad_(False)
-        uncond_file = models / "uncond_embedding.safetensors"  # written once by prepare_models
-        if uncond_file.is_file():
-            from safetensors.torch import load_file
-
-            self.uncond = load_file(uncond_file)["uncond"].to(dist.device)
-        else:
-            self.uncond = encode_prompts(self.tokenizer, self.text_encoder, [""], dist.device).float()
-        init_dir = Path(paths.checkpoints) / self.phase.init_from
-        weights = "live" if self.phase.init_from == SCRATCH else self.phase.init_weights
-        self.unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
-        if self.phase.init_path:
-            load_foreign_weights(self.unet, Path(self.phase.init_path))
-        self.unet.to(dist.device).train()
-        if self.cfg.gradient_checkpointing:
-            self.unet.enable_gradient_checkpointing()
-        if self.cfg.channels_last:
-            self.unet.to(memory_format=torch.channels_last)
-        self.model = self.unet
-        if dist.world > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(
-                self.unet,
-                device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
-                gradient_as_bucket_view=True,
-                find_unused_parameters=False,
-            )
-        self.optimizer = _adamw(self.unet.parameters(), self.phase.lr, self.cfg, dist.device)
-        self.batches_per_epoch = batches_per_epoch(len(self.data), dist.world, self.phase.batch_size)
-        self.total_steps = optimizer_steps(
-            len(self.data) // dist.world, self.phase.batch_size, self.phase.grad_accum, self.phase.epochs
-        )
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.phase.warmup_steps, self.total_steps)
-        self.ema = TrainingEMA(
-            self.unet.parameters(),
-            decay=self.cfg.ema_decay,
-            every=self.cfg.ema_update_every,
-            model_cls=UNet2DConditionModel,
-            model_config=self.unet.config,
-        )
-        self.ema_device = dist.device if self.cfg.ema_device == "model" else torch.device("cpu")
-        self.ema.to(self.ema_device)
+        self._load_conditioning(models)
+        self.unet = _load_phase_unet(params, self.phase, dist.device)
+        self.model = _wrap_ddp(self.unet, dist)
+        self._build_schedule()
+        self.ema, self.ema_device = _build_ema(self.unet, self.cfg, dist.device)
         # Same state on every rank: per-sample streams are split off it (stages.distributed.sample_generators).
         self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
         self.progress = Progress()
         self.loss_history: list[float] = []  # a resumed run's last losses before the checkpoint
+
+    def _load_conditioning(self, models: Path) -> None:
+        """The noise scheduler, tokenizer, frozen text encoder and the empty prompt's embedding."""
+        from diffusers import DDPMScheduler
+        from transformers import CLIPTokenizer
+
+        device = self.dist.device
+        self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
+        self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
+        self.text_encoder = _frozen_text_encoder(models, device, self.cfg.text_encoder_dtype)
+        self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
+
+    def _build_schedule(self) -> None:
+        """The optimizer, the step counts of this phase and its LR schedule."""
+        from model.diffusion import build_lr_scheduler, optimizer_steps
+
+        phase, world = self.phase, self.dist.world
+        self.optimizer = _adamw(self.unet.parameters(), phase.lr, self.cfg, self.dist.device)
+        self.batches_per_epoch = batches_per_epoch(len(self.data), world, phase.batch_size)
+        self.total_steps = optimizer_steps(len(self.data) // world, phase.batch_size, phase.grad_accum, phase.epochs)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps)
 
     # -- checkpoint state ------------------------------------------------------------------
     def state(self) -> dict:
@@ -201,38 +140,80 @@ class Trainer:
         return float(grad_norm)
 
 
-def load_foreign_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict from ``.safetensors`` or ``.pt``/``.pth``/``.bin`` (``weights_only``), unnested and unprefixed."""
-    from model.weights import strip_wrapper_prefixes, unnest_state_dict
-
-    if not path.is_file():
-        raise InputError(f"phase init_path {path}: no such file")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            obj = load_file(path)
-        elif path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            raise InputError(f"phase init_path {path}: expected .safetensors, .pt, .pth, .bin or .ckpt")
-        return strip_wrapper_prefixes(unnest_state_dict(obj))
-    except InputError:
-        raise
-    except Exception as err:  # unpicklable, truncated, not a dict: all the file's fault
-        raise InputError(f"phase init_path {path}: cannot read a state dict ({err})") from err
+def _allow_tf32(device: torch.device, enabled: bool) -> None:
+    """Set TF32 matmuls and convolutions on CUDA to ``train.tf32``; nothing elsewhere."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
 
 
-def load_foreign_weights(unet: torch.nn.Module, path: Path) -> None:
-    """Load the foreign state dict at ``path`` strictly into ``unet``; a mismatch is an InputError naming keys."""
-    from model.weights import load_state_dict_strict
+def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
+    """The CLIP text encoder on ``device`` in eval mode without gradients; bf16 only on CUDA when asked."""
+    from transformers import CLIPTextModel
 
-    state_dict = load_foreign_state_dict(path)
-    try:
-        load_state_dict_strict(unet, state_dict)
-    except ValueError as err:
-        raise InputError(f"phase init_path {path}: {err} (params models.unet must describe this checkpoint)") from err
-    log.info("initialised the UNet from %s (%d tensors)", path, len(state_dict))
+    dtype = torch.bfloat16 if device.type == "cuda" and dtype_name == "bf16" else torch.float32
+    text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
+    text_encoder.to(device, dtype=dtype).eval()
+    text_encoder.requires_grad_(False)
+    return text_encoder
+
+
+def _uncond_embedding(models: Path, tokenizer, text_encoder, device: torch.device) -> torch.Tensor:
+    """The empty prompt's embedding: the one prepare_models wrote, else encoded now."""
+    uncond_file = models / "uncond_embedding.safetensors"  # written once by prepare_models
+    if uncond_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(uncond_file)["uncond"].to(device)
+    from model.sampler import encode_prompts
+
+    return encode_prompts(tokenizer, text_encoder, [""], device).float()
+
+
+def _load_phase_unet(params: Params, phase: Phase, device: torch.device):
+    """The phase's starting UNet (``init_from``, then ``init_path``) on ``device``, set up for training."""
+    cfg = params.train
+    init_dir = Path(params.paths.checkpoints) / phase.init_from
+    weights = "live" if phase.init_from == SCRATCH else phase.init_weights
+    unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
+    if phase.init_path:
+        load_foreign_weights(unet, Path(phase.init_path))
+    unet.to(device).train()
+    if cfg.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if cfg.channels_last:
+        unet.to(memory_format=torch.channels_last)
+    return unet
+
+
+def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
+    """``unet`` itself on one process, else wrapped in DistributedDataParallel."""
+    if dist.world > 1:
+        return torch.nn.parallel.DistributedDataParallel(
+            unet,
+            device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=False,
+        )
+    return unet
+
+
+def _build_ema(unet, cfg: Train, device: torch.device):
+    """The EMA of ``unet``'s weights and the device it lives on (``train.ema_device``: model or cpu)."""
+    from diffusers import UNet2DConditionModel
+
+    from model.diffusion import TrainingEMA
+
+    ema = TrainingEMA(
+        unet.parameters(),
+        decay=cfg.ema_decay,
+        every=cfg.ema_update_every,
+        model_cls=UNet2DConditionModel,
+        model_config=unet.config,
+    )
+    ema_device = device if cfg.ema_device == "model" else torch.device("cpu")
+    ema.to(ema_device)
+    return ema, ema_device
 
 
 def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.optim.AdamW:

@@ -100,64 +100,22 @@ def person_heights(data: dict[str, Any]) -> tuple[dict[Any, list[float]], int]:
 
 def filter_coco(in_dir: Path, out_file: Path, options: CocoOptions, rules: FilterRules) -> dict[str, int]:
     """One row per image with a person box ≥ ``min_person_height`` of its height and a caption."""
-    instance_files = sorted(in_dir.glob(options.instances))
-    caption_files = sorted(in_dir.glob(options.captions))
-    if not instance_files or not caption_files:
-        raise InputError(
-            f"{in_dir}: need COCO instances ({options.instances!r}: {len(instance_files)} found) and captions "
-            f"({options.captions!r}: {len(caption_files)} found) annotation files (run download_metadata first)"
-        )
+    instance_files, caption_files = _annotation_files(in_dir, options)
     captions, invalid_captions = captions_by_image(caption_files)
-    drops, rows, seen, rows_in, invalid_boxes = DropCounter(REASONS), [], set(), 0, 0
+    selector = _ImageSelector(in_dir, options, rules, captions)
+    drops, rows, rows_in, invalid_boxes = DropCounter(REASONS), [], 0, 0
     for path in instance_files:
         data = _load(path)
-        match = _SPLIT.match(path.name)
-        split = match[1] if match else None
+        split = _split_of(path)
         heights, invalid = person_heights(data)
         invalid_boxes += invalid
         for image in data.get("images") or []:
             rows_in += 1
-            image = image if isinstance(image, dict) else {}
-            image_id, file_name = image.get("id"), safe_member(image.get("file_name"))
-            width, height = _number(image.get("width")), _number(image.get("height"))
-            if not _is_id(image_id):
-                drops.drop("bad_record")
-                continue
-            if image_id in seen:
-                drops.drop("duplicate")
-                continue
-            seen.add(image_id)
-            if file_name is None:
-                drops.drop("unsafe_member")
-                continue
-            if width is None or height is None or width <= 0 or height <= 0:
-                drops.drop("bad_size")
-                continue
-            if (rules.min_width is not None and width < rules.min_width) or (
-                rules.min_height is not None and height < rules.min_height
-            ):
-                drops.drop("too_small")
-                continue
-            # h / height, not h >= min × height: 0.55 × 50 is 27.500000000000004 in floating point
-            tall = [h for h in heights.get(image_id, []) if h / height >= options.min_person_height]
-            if not tall:
-                drops.drop("no_person")
-                continue
-            if not captions.get(image_id):
-                drops.drop("no_caption")
-                continue
-            member = image_file(in_dir, split, file_name)
-            if member is None:
-                drops.drop("missing")
-                continue
-            meta = {
-                "image_id": image_id,
-                "captions": [c for _, c in captions[image_id]],
-                "person_height": round(max(tall) / height, 4),
-                "persons": len(tall),
-                "split": split,
-            }
-            rows.append(row(None, member, captions[image_id][0][1], meta))
+            kept = selector.row_or_drop(image, split, heights)
+            if isinstance(kept, str):
+                drops.drop(kept)
+            else:
+                rows.append(kept)
     write_rows(rows, out_file)
     return drops.metrics(
         files=len(instance_files) + len(caption_files),
@@ -166,6 +124,81 @@ def filter_coco(in_dir: Path, out_file: Path, options: CocoOptions, rules: Filte
         invalid_boxes=invalid_boxes,
         invalid_captions=invalid_captions,
     )
+
+
+def _annotation_files(in_dir: Path, options: CocoOptions) -> tuple[list[Path], list[Path]]:
+    """The instances and captions files (each sorted); an InputError when either kind is missing."""
+    instance_files = sorted(in_dir.glob(options.instances))
+    caption_files = sorted(in_dir.glob(options.captions))
+    if not instance_files or not caption_files:
+        raise InputError(
+            f"{in_dir}: need COCO instances ({options.instances!r}: {len(instance_files)} found) and captions "
+            f"({options.captions!r}: {len(caption_files)} found) annotation files (run download_metadata first)"
+        )
+    return instance_files, caption_files
+
+
+def _split_of(instances_file: Path) -> str | None:
+    """``train2017`` for ``instances_train2017.json``; None for a name of another shape."""
+    match = _SPLIT.match(instances_file.name)
+    return match[1] if match else None
+
+
+class _ImageSelector:
+    """Decides each image entry of the instances files: its row, or the first drop reason (in REASONS order)."""
+
+    def __init__(
+        self, in_dir: Path, options: CocoOptions, rules: FilterRules, captions: dict[int, list[tuple[int, str]]]
+    ):
+        self.in_dir, self.options, self.rules, self.captions = in_dir, options, rules, captions
+        self.seen: set[int] = set()
+
+    def row_or_drop(self, image: Any, split: str | None, heights: dict[Any, list[float]]) -> dict[str, Any] | str:
+        """The image's row, or the reason it is dropped; ``heights`` are its file's person box heights."""
+        image = image if isinstance(image, dict) else {}
+        image_id, file_name = image.get("id"), safe_member(image.get("file_name"))
+        width, height = _number(image.get("width")), _number(image.get("height"))
+        problem = self._entry_problem(image_id, file_name, width, height)
+        if problem:
+            return problem
+        # h / height, not h >= min × height: 0.55 × 50 is 27.500000000000004 in floating point
+        tall = [h for h in heights.get(image_id, []) if h / height >= self.options.min_person_height]
+        if not tall:
+            return "no_person"
+        captions = self.captions.get(image_id)
+        if not captions:
+            return "no_caption"
+        member = image_file(self.in_dir, split, file_name)
+        if member is None:
+            return "missing"
+        meta = {
+            "image_id": image_id,
+            "captions": [c for _, c in captions],
+            "person_height": round(max(tall) / height, 4),
+            "persons": len(tall),
+            "split": split,
+        }
+        return row(None, member, captions[0][1], meta)
+
+    def _entry_problem(
+        self, image_id: Any, file_name: str | None, width: float | None, height: float | None
+    ) -> str | None:
+        """The drop reason of the image entry itself (id, name, size), or None; marks its id as seen."""
+        if not _is_id(image_id):
+            return "bad_record"
+        if image_id in self.seen:
+            return "duplicate"
+        self.seen.add(image_id)
+        if file_name is None:
+            return "unsafe_member"
+        if width is None or height is None or width <= 0 or height <= 0:
+            return "bad_size"
+        rules = self.rules
+        if (rules.min_width is not None and width < rules.min_width) or (
+            rules.min_height is not None and height < rules.min_height
+        ):
+            return "too_small"
+        return None
 
 
 def image_file(in_dir: Path, split: str | None, file_name: str) -> str | None:
