@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.common import atomic_file, atomic_write_bytes
+from stages.ustar import BLOCK, DIRECTORY, END_BLOCK, PAX_HEADER, REGULAR_TYPES, parse_header, pax_records
 
 SHARD_DIGITS = 5
 """img2dataset's ``oom_shard_count``: shard names are 5-digit (``00000.tar``)."""
@@ -104,49 +105,38 @@ def tar_bytes(samples: Iterable[dict[str, Any]]) -> bytes:
     return b"".join(_tar_chunks(_sample_members(samples)))
 
 
-def _octal(field: bytes) -> int:
-    return int(field.rstrip(b"\0 ").strip() or b"0", 8)
-
-
 def _tar_index(buf: bytes | mmap.mmap) -> dict[str, dict[str, tuple[int, int]]] | None:
     """``{key: {ext: (data offset, size)}}`` of the regular files of an uncompressed ustar/PAX tar.
 
-    The fast path (headers parsed here, data not touched); None for anything else (compressed, GNU
-    long names, links, a bad checksum, truncated), which :func:`_read_tar_slow` then handles.
+    The fast path (headers parsed by :mod:`stages.ustar`, data not touched); None for anything else
+    (compressed, GNU long names or base-256 sizes, links, a bad checksum, truncated), which
+    :func:`_read_tar_slow` then handles.
     """
     index: dict[str, dict[str, tuple[int, int]]] = {}
     pos, n, pax = 0, len(buf), {}
     try:
-        while pos + tarfile.BLOCKSIZE <= n:
-            header = buf[pos : pos + tarfile.BLOCKSIZE]
-            if header == tarfile.NUL * tarfile.BLOCKSIZE:
+        while pos + BLOCK <= n:
+            header = buf[pos : pos + BLOCK]
+            if header == END_BLOCK:
                 return index
-            if _octal(header[148:156]) != sum(header[:148]) + 256 + sum(header[156:]) or header[124] & 0x80:
-                return None
-            size, kind, data_at = _octal(header[124:136]), header[156:157], pos + tarfile.BLOCKSIZE
-            pos = data_at + size + -size % tarfile.BLOCKSIZE
+            if header[124] & 0x80:
+                return None  # a GNU base-256 size: rare enough for the slow path
+            size, kind, name = parse_header(header)
+            data_at = pos + BLOCK
+            pos = data_at + size + -size % BLOCK
             if data_at + size > n:
                 return None
-            if kind == b"x":
-                records, pax = bytes(buf[data_at : data_at + size]), {}
-                while records:
-                    length = int(records.split(b" ", 1)[0])
-                    field, _, value = records[: length - 1].partition(b" ")[2].partition(b"=")
-                    pax[field.decode()] = value.decode("utf-8", "surrogateescape")
-                    records = records[length:]
+            if kind == PAX_HEADER:
+                pax = pax_records(buf[data_at : data_at + size])
                 continue
-            if kind == b"5":
+            if kind == DIRECTORY:
                 pax = {}
                 continue
-            if kind not in (b"0", b"\0"):
+            if kind not in REGULAR_TYPES:
                 return None
-            name = header[:100].split(b"\0", 1)[0]
-            prefix = header[345:500].split(b"\0", 1)[0]
-            name = pax.get("path") or (prefix + b"/" + name if prefix else name).decode(
-                tarfile.ENCODING, "surrogateescape"
-            )
-            if "size" in pax:
+            if b"size" in pax:
                 return None  # a size beyond ustar's: rare enough for the slow path
+            name = (pax.get(b"path") or name).decode(tarfile.ENCODING, "surrogateescape")
             pax = {}
             key, _, ext = name.partition(".")
             index.setdefault(key, {})[ext] = (data_at, size)
