@@ -67,7 +67,7 @@ demo: venv
 	wait $$pid; rc=$$?; trap - INT TERM; \
 	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \
 	[ $$rc -eq 0 ] || exit $$rc; \
-	$(PY) -m flows.report
+	$(PY) -m tools.report
 
 lint: venv
 	ruff check .
@@ -79,19 +79,19 @@ test-all: venv lint
 	pytest -m 'not gpu'
 
 stack-up: venv
-	$(PY) -m flows.stack up
+	$(PY) -m tools.stack up
 
 stack-up-s3: venv
-	$(PY) -m flows.stack up --with-s3 --mlflow
+	$(PY) -m tools.stack up --with-s3 --mlflow
 
 stack-down:
-	@if [ -x $(PY) ]; then $(PY) -m flows.stack down; else echo "no $(VENV): nothing to stop"; fi
+	@if [ -x $(PY) ]; then $(PY) -m tools.stack down; else echo "no $(VENV): nothing to stop"; fi
 
 stack-status:
-	$(PY) -m flows.stack status
+	$(PY) -m tools.stack status
 
 run-phase: venv
-	$(PY) -m flows.stack run --phase $(PHASE)
+	$(PY) -m tools.stack run --phase $(PHASE)
 
 mlflow-ui: venv
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

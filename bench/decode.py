@@ -5,7 +5,7 @@
 Each image is a synthetic 1024×768 (w×h) photo-like JPEG (smooth colour field + texture + noise,
 quality 90, ~150 kB). Work per image, both libraries: decode to RGB, shorter side → ``--size``,
 centre crop ``--size``². OpenCV: ``imdecode`` + ``cvtColor`` + ``resize(INTER_AREA)`` (what
-``stages.encode_inputs.decode_sample`` does); PIL: ``Image.open().convert("RGB")`` +
+``sdforge.latents.inputs.decode_sample`` does); PIL: ``Image.open().convert("RGB")`` +
 ``resize(Resampling.BOX)`` (PIL's area filter, the same maths) + ``crop``. Both libraries decode with
 libjpeg-turbo, so the difference is mostly resize, colour conversion and per-call overhead.
 

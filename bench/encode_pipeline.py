@@ -35,7 +35,14 @@ import numpy as np
 import torch
 
 from bench._common import BENCH_DATA, machine, result_line
-from stages.shards import tar_bytes
+from model.builders import build_tiny_vae
+from model.latents import encode_latents as vae_encode
+from model.latents import uint8_to_model_range
+from sdforge.config import load_params
+from sdforge.demo.models import write_demo_tokenizer
+from sdforge.ingest.shards import iter_samples, tar_bytes
+from sdforge.latents import inputs as encode_inputs
+from stages import encode_latents as encode_stage
 
 WORDS = ["a", "red", "green", "blue", "circle", "square", "on", "white", "black", "background"]
 
@@ -65,9 +72,6 @@ def make_tars(folder: Path, images: int, per_tar: int, size: int) -> Path:
 
 
 def build_vae(kind: str):
-    from model.builders import build_tiny_vae
-    from stages.config import load_params
-
     if kind == "sd":
         from diffusers import AutoencoderKL
 
@@ -92,8 +96,6 @@ def build_vae(kind: str):
 
 def decoded_tensor(tars: Path, size: int) -> torch.Tensor:
     """Every image of ``tars`` decoded: uint8 ``[N, H, W, 3]`` RGB."""
-    from stages.shards import iter_samples
-
     images = [
         cv2.cvtColor(cv2.imdecode(np.frombuffer(files["jpg"], np.uint8), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
         for _, files in iter_samples(tars)
@@ -104,8 +106,6 @@ def decoded_tensor(tars: Path, size: int) -> torch.Tensor:
 
 def baseline(vae, images: torch.Tensor, batch_size: int, device: str, bf16: bool) -> float:
     """Images per second of the bare VAE encode on pre-decoded tensors already on ``device``."""
-    from model.latents import encode_latents, uint8_to_model_range
-
     cuda = device == "cuda"
     x_all = uint8_to_model_range(images.to(device), channels_last=cuda)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and bf16 else contextlib.nullcontext()
@@ -115,7 +115,7 @@ def baseline(vae, images: torch.Tensor, batch_size: int, device: str, bf16: bool
     t0 = time.perf_counter()
     with torch.inference_mode(), autocast:
         for i in range(0, x_all.shape[0], batch_size):
-            out.append(encode_latents(vae, x_all[i : i + batch_size]).to(torch.float16))
+            out.append(vae_encode(vae, x_all[i : i + batch_size]).to(torch.float16))
     latents = torch.cat(out).cpu()
     seconds = time.perf_counter() - t0
     assert latents.shape[0] == images.shape[0]
@@ -123,7 +123,7 @@ def baseline(vae, images: torch.Tensor, batch_size: int, device: str, bf16: bool
 
 
 class _FreeDecode:
-    """Stands in for ``cv2`` in :mod:`stages.encode_inputs`: ``imdecode`` returns a copy of a ready
+    """Stands in for ``cv2`` in :mod:`sdforge.latents.inputs`: ``imdecode`` returns a copy of a ready
     image (``--free-decode``: the ratio the pipeline would reach with a zero-cost JPEG decoder)."""
 
     def __init__(self, size: int):
@@ -141,8 +141,6 @@ def ours(cfg, tars: Path, models: Path, out: Path, free_decode: bool = False) ->
     stage (+ loading the VAE and tokenizer, fingerprinting them, the final manifest), and its metrics."""
     from unittest import mock
 
-    from stages import encode_inputs, encode_latents
-
     shutil.rmtree(out, ignore_errors=True)
     patch = (
         mock.patch.object(encode_inputs, "cv2", _FreeDecode(cfg.resolution))
@@ -151,7 +149,7 @@ def ours(cfg, tars: Path, models: Path, out: Path, free_decode: bool = False) ->
     )
     t0 = time.perf_counter()
     with patch:
-        metrics = encode_latents.run(cfg, "bench", tars, models, out)
+        metrics = encode_stage.run(cfg, "bench", tars, models, out)
     return metrics["images_per_second"], metrics["samples"] / (time.perf_counter() - t0), metrics
 
 
@@ -171,8 +169,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from stages.config import load_params
-    from stages.prepare_models import write_demo_tokenizer
 
     encode = load_params("params.yaml").encode
     if args.quick:

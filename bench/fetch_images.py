@@ -3,11 +3,11 @@
 ``python -m bench.fetch_images`` (4,000 images) or ``--quick`` (500). A corpus of small JPEGs
 (64–256 px a side, random sizes and contents, seeded) is generated once and cached under
 ``data/bench/fetch_images/`` (git-ignored), then served by a threaded loopback HTTP server
-(``stages.demo_http.serve_directory``) in this process. Each implementation then runs in a fresh
+(``sdforge.demo.http_server.serve_directory``) in this process. Each implementation then runs in a fresh
 subprocess, same processes/threads/image size/shard size:
 
 * ours: ``fetch_images.run(...)`` with ``allow_networks: ["127.0.0.0/8"]`` — fingerprint, guarded
-  img2dataset (:mod:`stages.url_guard` in every worker), canonicalisation, metrics;
+  img2dataset (:mod:`sdforge.ingest.url_guard` in every worker), canonicalisation, metrics;
 * bare: ``img2dataset.download(...)`` with the same arguments (no guard, no canonicalisation).
 
 Both must fetch every image. Times are the work inside each child (interpreter start-up and imports
@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 
 from bench._common import BENCH_DATA, machine, python_module, result_line, run_measured
+from sdforge.config import FetchSettings, Source
+from sdforge.demo.http_server import serve_directory
+from sdforge.ingest import url_guard  # noqa: F401 (imported before the clock starts, as img2dataset)
+from stages import fetch_images
 
 SEED = 20240607
 FULL, QUICK = 4000, 500
@@ -64,9 +68,6 @@ def child(kind: str, spec: dict) -> None:
     os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
     from img2dataset import download
 
-    if kind == "ours":
-        from stages import fetch_images, url_guard  # noqa: F401 (imported before the clock starts, as img2dataset)
-        from stages.config import FetchSettings, Source
     imported = time.perf_counter() - t0
     work = Path(spec["work"])
     out = work / f"out-{kind}"
@@ -145,8 +146,6 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     import polars as pl
-
-    from stages.demo_http import serve_directory
 
     images = args.images or (QUICK if args.quick else FULL)
     rounds = args.rounds or (1 if args.quick else 3)

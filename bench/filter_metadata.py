@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 from bench._common import BENCH_DATA, load_average, machine, python_module, result_line, run_measured
+from sdforge.config import FilterRules, Source
+from stages import filter_metadata
 
 RULES = {  # phase 1 of the full configuration
     "min_aesthetic": 6.5,
@@ -171,14 +173,11 @@ def dataset(rows: int) -> Path:
 
 def run_ours(data: Path, out: Path) -> int:
     """The stage itself, as DVC runs it minus MLflow; returns rows out."""
-    from stages import filter_metadata
-    from stages.config import FilterRules, Source
-
     source = Source(kind="laion", repo=str(data), filter=FilterRules(**RULES))
     return filter_metadata.run(source, "laion", data, out, tracking=None)["rows_out"]
 
 
-COLUMNS = {  # configured (LAION) name → normalised name, as stages.config.Columns
+COLUMNS = {  # configured (LAION) name → normalised name, as sdforge.config.Columns
     "URL": "url",
     "TEXT": "caption",
     "WIDTH": "width",
@@ -231,7 +230,6 @@ def child(impl: str, data: Path, out: Path) -> None:
     if impl == "ours":
         import polars  # noqa: F401
 
-        from stages import filter_metadata  # noqa: F401
     else:
         import pandas  # noqa: F401
         import pyarrow  # noqa: F401

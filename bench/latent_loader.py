@@ -4,7 +4,7 @@
 ``--quick`` (10k). The data are generated once and cached under ``data/bench/latent_loader/<n>/``
 (git-ignored; ``SDFORGE_BENCH_DATA`` moves it; ``--clean`` deletes it after the run):
 
-- ``store/bench/shard-NNNNN.safetensors`` (4096 rows each, :func:`stages.latent_store.write_shard`),
+- ``store/bench/shard-NNNNN.safetensors`` (4096 rows each, :func:`sdforge.latents.store.write_shard`),
   its ``manifest.parquet`` and ``mix.parquet``, a phase index over all samples built by
   :func:`stages.mix_phase.build_index` (so in shuffled order, like a real phase index);
 - ``npy/NNN/NNNNNNN.npy``, the same latents one file per sample, plus ``npy/input_ids.npy``.
@@ -18,7 +18,7 @@ design's pages are resident before each run and prints the fraction. In each chi
 - reference: the index's files loaded by ``ThreadPoolExecutor(16)`` + ``np.load`` into one
   preallocated ``[N, 4, 64, 64]`` fp16 array (the token ids from one ``.npy``), then the same
   ``rank_order`` batches gathered from RAM and converted exactly as the trainer receives them (with
-  the loader's own :func:`~stages.latent_loader.to_float32`, so only the design differs).
+  the loader's own :func:`~sdforge.latents.loader.to_float32`, so only the design differs).
 
 Start-up is the seconds from constructing the loader to holding the first batch (imports excluded;
 printed apart). Batches/s is over the whole epoch of batches of 24 after the first. Anonymous
@@ -42,6 +42,10 @@ import time
 from pathlib import Path
 
 from bench._common import BENCH_DATA, load_average, machine, python_module, result_line, run_measured
+from sdforge.config import Phase
+from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches, rank_order, to_float32
+from sdforge.latents.store import MANIFEST, shard_path, write_shard
+from stages.mix_phase import build_index
 
 SHAPE = (4, 64, 64)
 SHARD_ROWS = 4096
@@ -70,10 +74,6 @@ def generate(root: Path, samples: int) -> None:
     import numpy as np
     import polars as pl
     import torch
-
-    from stages.config import Phase
-    from stages.latent_store import MANIFEST, shard_path, write_shard
-    from stages.mix_phase import build_index
 
     if root.exists():
         shutil.rmtree(root)
@@ -210,8 +210,6 @@ def child(design: str, root: Path) -> None:
     import numpy as np
     import polars as pl
     import torch
-
-    from stages.latent_loader import LatentIndexDataset, batches_per_epoch, iter_batches, rank_order, to_float32
 
     import_s = time.perf_counter() - t_import
     anon = AnonPeak()

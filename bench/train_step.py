@@ -2,7 +2,8 @@
 
 ``python -m bench.train_step [--quick] [--config demo|full] [--batch N] [--ckpt off|on|both]``
 
-- ours: the real :meth:`stages.trainer.Trainer.micro_step` + :meth:`~stages.trainer.Trainer.optimizer_step`
+- ours: the real :meth:`sdforge.training.trainer.Trainer.micro_step` +
+  :meth:`~sdforge.training.trainer.Trainer.optimizer_step`
   (noise and timesteps from the trainer's CPU generator, CFG dropout, bf16 autocast on CUDA,
   channels_last as configured, Min-SNR-γ as the config's phase 1, fused AdamW on CUDA, grad clip,
   warmup+cosine LR schedule, :class:`model.diffusion.TrainingEMA` where the config puts it) on a
@@ -38,6 +39,12 @@ from pathlib import Path
 import torch
 
 from bench._common import load_average, machine, result_line
+from model.builders import build_unet, noise_scheduler, unet_config
+from model.diffusion import TrainingEMA, build_lr_scheduler
+from sdforge.config import load_params
+from sdforge.training.checkpoints import Progress
+from sdforge.training.distributed import Dist
+from sdforge.training.trainer import Trainer, _adamw
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yaml"}
@@ -47,14 +54,10 @@ SD15_TFLOP_PER_SAMPLE_64 = 2.6
 
 
 def _load(config: str):
-    from stages.config import load_params
-
     return load_params(CONFIGS[config])
 
 
 def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool):
-    from model.builders import build_unet, unet_config
-
     unet = build_unet(unet_config(params.models.unet.model_dump()), seed=0).to(device).train()
     if ckpt:
         unet.enable_gradient_checkpointing()
@@ -76,12 +79,6 @@ class _Embeddings(torch.nn.Module):
 
 def _ours(params, device, batch, ckpt):
     """A Trainer with the real step methods, built without data or files."""
-    from model.builders import noise_scheduler
-    from model.diffusion import TrainingEMA, build_lr_scheduler
-    from stages.checkpoints import Progress
-    from stages.distributed import Dist
-    from stages.trainer import Trainer, _adamw
-
     tr = Trainer.__new__(Trainer)
     tr.params, tr.phase_name = params, "bench"
     tr.phase = next(iter(params.phases.values()))
@@ -111,8 +108,6 @@ def _plain(params, device, batch, ckpt):
     """diffusers examples/text_to_image/train_text_to_image.py's loop body."""
     import torch.nn.functional as F
     from diffusers.training_utils import EMAModel
-
-    from model.builders import noise_scheduler
 
     cfg, phase = params.train, next(iter(params.phases.values()))
     scheduler = noise_scheduler(params.models.noise.model_dump())
@@ -151,8 +146,6 @@ def _plain(params, device, batch, ckpt):
 def flops_per_sample(params) -> float:
     """Forward + backward FLOPs of one training sample (batch 1, no checkpoint recomputation; on ``meta``)."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from model.builders import build_unet, unet_config
 
     spec = params.models.unet
     with torch.device("meta"):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.dvc_dag import all_stages, upstream_stages
+from flows.dvc_ops.dag import all_stages, upstream_stages
 from flows.tasks import run_stages
 from flows.train_phase import run_options
-from stages.config import load_params
+from sdforge.config import load_params
 
 DATA_TARGET_STAGE = "encode_latents"
 """The data stages end with one ``encode_latents@<source>`` per source."""

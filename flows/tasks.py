@@ -22,7 +22,8 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.dvc_runner import StageFailed, StageOutcome, kill_group, run_dvc_stage, stage_env
+from flows.dvc_ops.runner import StageFailed, StageOutcome, kill_group, run_dvc_stage, stage_env
+from sdforge.tracking import PARENT_TAG, STAGE_TAG
 
 NETWORK_STAGE_PREFIXES = ("download_metadata", "fetch_images")
 """Stages that talk to the network: a failure there is often transient, so they are retried."""
@@ -52,7 +53,7 @@ class RunOptions:
 
 
 def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> StageOutcome:
-    """``dvc repro --force --single-item <stage>`` in its own session (flows/dvc_runner.py has no --force)."""
+    """``dvc repro --force --single-item <stage>`` in its own session (flows/dvc_ops/runner.py has no --force)."""
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dvc", "repro", "--force", "--single-item", stage],
@@ -130,13 +131,13 @@ def stage_task(stage: str):
 
 
 def _remote_command(root: str, *args: str, timeout_s: float = REMOTE_TIMEOUT_S) -> str:
-    """``python -m flows.dvc_remote ARGS`` in ``root``; its last output line (a failure raises)."""
+    """``python -m flows.dvc_ops.remote ARGS`` in ``root``; its last output line (a failure raises)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.dvc_remote", *args], cwd=root, env=stage_env(), text=True,
+        [sys.executable, "-m", "flows.dvc_ops.remote", *args], cwd=root, env=stage_env(), text=True,
         capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout_s,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"flows.dvc_remote {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"flows.dvc_ops.remote {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     lines = proc.stdout.strip().splitlines()
     return lines[-1] if lines else ""
 
@@ -193,9 +194,8 @@ def mlflow_run_link(stage: str) -> str | None:
     if not uri.startswith(("http://", "https://")):
         return None
     try:
+        # lazy: mlflow (~2 s) only to find a stage run for its link
         import mlflow
-
-        from stages.tracking import PARENT_TAG, STAGE_TAG
 
         client = mlflow.MlflowClient(uri)
         experiments = [e.experiment_id for e in client.search_experiments()]

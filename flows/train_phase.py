@@ -18,9 +18,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.dvc_dag import upstream_stages
+from flows.dvc_ops.dag import upstream_stages
 from flows.tasks import RunOptions, run_stages
-from stages.config import Params, load_params
+from sdforge.config import Params, load_params
 
 
 def phase_target(phase: str) -> str:

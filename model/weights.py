@@ -1,6 +1,6 @@
 """Foreign state dicts: unwrap nesting, strip wrapper prefixes, load strictly with a readable diff.
 
-Pure torch; the stage reads the file (``stages.trainer.load_foreign_state_dict``).
+Pure torch; the stage reads the file (``sdforge.training.trainer.load_foreign_state_dict``).
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ import os
 import shutil
 from pathlib import Path
 
-from stages.common import InputError, stage_cli
-from stages.config import Source
+from sdforge.config import Source
+from sdforge.io import InputError, stage_cli
+from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def download_hub(
     repo_id: str, revision: str | None, patterns: list[str], out_dir: Path, cache_dir: str | None
 ) -> tuple[list[Path], int]:
     """``snapshot_download`` a dataset repo's matching files into the hub cache, copy them to ``out_dir``."""
+    # lazy: only for hub repos (local folders need none of it)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
@@ -162,8 +164,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _stage(params, item: str) -> dict:
-    from stages.tracking import log_stage
-
     source = params.sources[item]
     metrics = run(source, Path(params.paths.metadata) / item)
     log_stage(

@@ -10,7 +10,7 @@ Output layout (img2dataset's ``webdataset`` format, for both kinds)::
 * ``laion``: ``img2dataset.download`` over ``filtered.parquet`` (``url``, ``caption``), resized to
   ``image_size`` (``resize_mode``, center crop by default), with ``processes``/``threads``/
   ``timeout``/``retries`` and ``distributor`` (multiprocessing, or pyspark/ray for many machines)
-  passed through. Every URL goes through the SSRF guard (:mod:`stages.url_guard`: http(s) only,
+  passed through. Every URL goes through the SSRF guard (:mod:`sdforge.ingest.url_guard`: http(s) only,
   public addresses only unless ``allow_networks`` covers them, checked in the workers at connection
   time); images over ``max_image_pixels`` are refused. With ``fetch.serve_demo`` a loopback HTTP
   server serves ``paths.demo_source/http`` meanwhile. img2dataset starts worker processes with
@@ -32,197 +32,30 @@ sorted, timings dropped from ``*_stats.json``; idempotent), since DVC hashes the
 ``shards``, ``skipped_<status>`` for other statuses, and for laion why samples failed:
 ``refused_scheme``, ``refused_ssrf``, ``error_http``, ``error_network``, ``error_decode``,
 ``error_too_many_pixels``, ``error_robots``, ``error_other`` (they sum to the two ``failed_*``).
-See ``stages/FETCH.md``.
+See ``docs/FETCH.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import json
 import logging
-import math
-import os
-import shutil
-import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import polars as pl
-import pyarrow.parquet as pq
 
-from stages import reshard, shards, sources
-from stages.common import InputError, atomic_write_bytes, stage_cli
-from stages.config import FetchSettings, Params, Source
-from stages.demo_http import serve_directory
-from stages.filter_metadata import OUTPUT_FILE
-
-# albumentations (imported by img2dataset) otherwise asks the package index for updates
-os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+from sdforge.config import Params, Source
+from sdforge.demo.http_server import serve_directory
+from sdforge.ingest import reshard, shards, sources, url_guard
+from sdforge.ingest.fetch_state import archive_listing, fingerprint, prepare_out_dir
+from sdforge.ingest.url_fetch import fetch_urls
+from sdforge.io import InputError, stage_cli
+from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_KINDS = frozenset({"laion"}) | sources.LOCAL_KINDS
-
-FINGERPRINT_FILE = ".fetch-fingerprint"
-"""Inside the output folder, so it travels with the shards (DVC cache, checkout). Not ``*.json``:
-img2dataset's incremental mode reads every ``*.json`` of the folder as a shard's stats."""
-FINGERPRINT_VERSION = 1
-OUTPUT_SETTINGS = (
-    "image_size",
-    "resize_mode",
-    "shard_size",
-    "encode_quality",
-    "allow_networks",
-    "max_image_pixels",
-    "user_agent_token",
-)
-"""The fetch settings that change what a finished shard holds (processes, threads, distributor,
-timeout, retries and the success-rate warning do not; changing them resumes)."""
-
-
-class FetchIncomplete(RuntimeError):
-    """img2dataset returned with shards unfinished; a rerun fetches only those."""
-
-
-def archive_listing(metadata_dir: Path) -> str:
-    """SHA-256 of the sorted (relative path, size) of every file under ``metadata_dir``.
-
-    The local kinds read their images from these files; downloads are immutable per name, so a
-    name or size change is what marks different inputs (mtimes change on every DVC checkout).
-    """
-    digest = hashlib.sha256()
-    for path in sorted(p for p in metadata_dir.rglob("*") if p.is_file()):
-        digest.update(f"{path.relative_to(metadata_dir).as_posix()}\0{path.stat().st_size}\n".encode())
-    return digest.hexdigest()
-
-
-def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = None) -> str:
-    """The fingerprint text of fetching ``filtered`` with ``fetch``: its SHA-256 and :data:`OUTPUT_SETTINGS`
-    (plus, for the local kinds, the :func:`archive_listing` of the files the images come from)."""
-    digest = hashlib.sha256()
-    with open(filtered, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    settings = {key: getattr(fetch, key) for key in OUTPUT_SETTINGS}
-    settings["allow_networks"] = sorted(settings["allow_networks"])
-    doc = {"version": FINGERPRINT_VERSION, "filtered_sha256": digest.hexdigest(), "settings": settings}
-    if archives is not None:
-        doc["archives_sha256"] = archives
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
-
-
-def prepare_out_dir(out_dir: Path, fingerprint_text: str) -> bool:
-    """Keep ``out_dir``'s finished shards when its fingerprint matches (return True), else empty it.
-
-    Either way ``out_dir`` then holds the fingerprint and only finished shards.
-    """
-    path = out_dir / FINGERPRINT_FILE
-    if path.is_file() and path.read_text() == fingerprint_text:
-        removed = shards.discard_unfinished(out_dir, keep={FINGERPRINT_FILE})
-        log.info(
-            "resuming the fetch in %s: %d finished shards kept, removed %s",
-            out_dir,
-            len(shards.finished_shards(out_dir)),
-            removed or "nothing",
-        )
-        return True
-    if out_dir.exists():
-        log.info("%s was fetched from other inputs or settings (or not by this stage): emptying it", out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    atomic_write_bytes(path, fingerprint_text.encode())
-    return False
-
-
-@contextlib.contextmanager
-def _interrupts_stay_interrupts() -> Iterator[None]:
-    """Undo img2dataset's SIGINT handler, which exits with status 0 (a DVC stage would look successful)."""
-    saved = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    except SystemExit as exc:
-        if exc.code in (0, None):
-            raise KeyboardInterrupt("img2dataset was interrupted (SIGINT)") from None
-        raise
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, saved)
-
-
-def fetch_urls(filtered: Path, out_dir: Path, fetch: FetchSettings, rows: int) -> None:
-    """Fetch the ``url``/``caption`` rows of ``filtered`` into webdataset shards in ``out_dir``.
-
-    Only the shards ``out_dir`` does not hold finished yet are fetched (img2dataset's incremental
-    mode), through :class:`stages.url_guard.GuardedDownloader`, which canonicalises each shard in
-    its worker as soon as it is finished; a last pass canonicalises any shard left raw (a kill
-    between img2dataset's stats and that step, or a failure there).
-    Raises :class:`FetchIncomplete` when img2dataset gave up on a shard.
-    """
-    from img2dataset import download
-
-    from stages import url_guard
-
-    expected = set(range(math.ceil(rows / fetch.shard_size)))
-    start = time.perf_counter()
-    if expected - set(shards.finished_shards(out_dir)):
-        canonicalize = functools.partial(shards.canonicalize_shard, str(out_dir.resolve()), final=False)
-        guard = url_guard.guarded_img2dataset(fetch.allow_networks, fetch.max_image_pixels, after_shard=canonicalize)
-        with guard, _interrupts_stay_interrupts():
-            download(
-                url_list=str(filtered),
-                input_format="parquet",
-                url_col="url",
-                caption_col="caption",
-                output_format="webdataset",
-                output_folder=str(out_dir),
-                image_size=fetch.image_size,
-                resize_mode=fetch.resize_mode,
-                processes_count=fetch.processes,
-                thread_count=fetch.threads,
-                timeout=fetch.timeout,
-                retries=fetch.retries,
-                number_sample_per_shard=fetch.shard_size,
-                distributor=fetch.distributor,
-                encode_quality=fetch.encode_quality,
-                max_image_area=fetch.max_image_pixels,
-                user_agent_token=fetch.user_agent_token,
-                incremental_mode="incremental",
-                enable_wandb=False,
-            )
-    missing = sorted(expected - set(shards.finished_shards(out_dir)))
-    if missing:
-        raise FetchIncomplete(
-            f"img2dataset did not finish shards {missing} of {out_dir} (see its log above); "
-            "rerun the stage: finished shards are kept and only these are fetched"
-        )
-    fetched = time.perf_counter()
-    check_guard_ran(out_dir)
-    shards.canonicalize_folder(out_dir)
-    log.info(
-        "img2dataset: %.1f s; guard check and canonicalisation: %.1f s",
-        fetched - start,
-        time.perf_counter() - fetched,
-    )
-
-
-def check_guard_ran(out_dir: Path) -> None:
-    """Fail unless every non-http(s) URL in the shards' parquets was refused by the guard (it ran in the workers)."""
-    from stages import url_guard
-
-    for parquet in sorted(out_dir.glob("*.parquet")):
-        table = pq.read_table(parquet, columns=["url", "error_message"])
-        for url, message in zip(table["url"].to_pylist(), table["error_message"].to_pylist(), strict=True):
-            if url_guard.scheme_refusal(url) is not None and url_guard.REFUSED_SCHEME not in (message or ""):
-                raise RuntimeError(
-                    f"{parquet}: {url!r} was not refused by the URL guard ({message!r}); "
-                    "the guard did not run in img2dataset's workers"
-                )
-
 
 @contextlib.contextmanager
 def maybe_serve(serve: tuple[Path, int] | None) -> Iterator[None]:
@@ -256,7 +89,7 @@ def run(
         raise InputError(
             f"sources.{name}.kind: '{source.kind}' has no fetch adapter yet (supported: {sorted(SUPPORTED_KINDS)})"
         )
-    filtered, metadata_dir, out_dir = Path(filtered_dir) / OUTPUT_FILE, Path(metadata_dir), Path(out_dir)
+    filtered, metadata_dir, out_dir = Path(filtered_dir) / sources.FILTERED_FILE, Path(metadata_dir), Path(out_dir)
     if not filtered.is_file():
         raise InputError(f"{filtered} not found (run filter_metadata first)")
     fetch = source.fetch
@@ -271,8 +104,6 @@ def run(
     else:
         reshard.run(filtered, metadata_dir, out_dir, fetch, name)
     if source.kind == "laion":
-        from stages import url_guard
-
         metrics = shards.summarize_stats(out_dir, url_guard.failure_reason, url_guard.REASONS)
     else:
         metrics = shards.summarize_stats(out_dir)
@@ -291,8 +122,6 @@ def run(
 
 def stage(params: Params, item: str) -> dict[str, Any]:
     """Resolve paths from ``params`` and run the stage for source ``item``."""
-    from stages.tracking import log_stage
-
     source = params.sources[item]
     serve = (Path(params.paths.demo_source) / "http", params.demo.http_port) if source.fetch.serve_demo else None
     metrics = run(

@@ -1,12 +1,12 @@
 """Stage ``filter_metadata@<source>``: quality filter + dedup → ``paths.filtered/<source>/filtered.parquet``.
 
-* ``laion``: :func:`stages.laion_filter.filter_laion` (threshold rules, then URL and hash dedup, in
+* ``laion``: :func:`sdforge.ingest.sources.laion.filter.filter_laion` (threshold rules, then URL and hash dedup, in
   three streaming polars passes that never hold the input).
-* other kinds: :func:`stages.sources.filter_source`.
+* other kinds: :func:`sdforge.ingest.sources.filter_source`.
 
 Metrics: ``files``, ``rows_in``, ``dropped_<rule>`` per rule, ``rows_out``. MLflow also gets the
 metrics JSON and (LAION kind) a PNG (+ JSON) of the aesthetic and similarity histograms before and
-after (:mod:`stages.filter_histograms`).
+after (:mod:`sdforge.ingest.sources.laion.histograms`).
 """
 
 from __future__ import annotations
@@ -15,23 +15,21 @@ import logging
 import shutil
 from pathlib import Path
 
-from stages import sources
-from stages.common import InputError, stage_cli
-from stages.config import Source, Tracking
-from stages.filter_histograms import HISTOGRAMS, Histograms, histogram_figure
-from stages.laion_filter import filter_laion
+from sdforge.config import Source, Tracking
+from sdforge.ingest import sources
+from sdforge.ingest.sources.laion.filter import filter_laion
+from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_figure
+from sdforge.io import InputError, stage_cli
+from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
 
-OUTPUT_FILE = "filtered.parquet"
 
 
 def log_to_mlflow(
     tracking: Tracking, name: str, source: Source, metrics: dict[str, int], hist: Histograms | None
 ) -> None:
     """Log the metrics, the metrics JSON and (LAION kind) the histograms to the ``filter_metadata@<source>`` run."""
-    from stages.tracking import stage_run
-
     params = {"kind": source.kind, "filter": source.filter.model_dump()}
     with stage_run(tracking, parent="data", stage=f"filter_metadata@{name}", params=params) as mlflow:
         mlflow.log_metrics(metrics)
@@ -63,9 +61,9 @@ def run(
     out_dir.mkdir(parents=True)
     hist = None
     if source.kind == "laion":
-        metrics, hist = filter_laion(in_dir, out_dir / OUTPUT_FILE, source.columns, source.filter)
+        metrics, hist = filter_laion(in_dir, out_dir / sources.FILTERED_FILE, source.columns, source.filter)
     else:
-        metrics = sources.filter_source(source, name, in_dir, out_dir / OUTPUT_FILE)
+        metrics = sources.filter_source(source, name, in_dir, out_dir / sources.FILTERED_FILE)
     log.info("%s: kept %d of %d rows: %s", name, metrics["rows_out"], metrics["rows_in"], metrics)
     if tracking is not None:
         log_to_mlflow(tracking, name, source, metrics, hist)

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from stages.common import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
-from stages.config import Params, Phase
-from stages.latent_store import MANIFEST
+from sdforge.config import Params, Phase
+from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
+from sdforge.latents.store import MANIFEST
+from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,11 @@ def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: 
 
 
 def _composition_figure(metrics: dict):
+    # lazy: matplotlib (~0.5 s) only to draw the figure
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     sources = sorted(k.split(".", 1)[1] for k in metrics if k.startswith("requested_fraction."))
     x = np.arange(len(sources))
@@ -146,7 +148,6 @@ def _run_stage(params: Params, phase_name: str) -> dict:
         Path(params.paths.mixes) / f"{phase_name}.parquet",
         params.train.seed,
     )
-    from stages.tracking import stage_run
 
     digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))
     logged = {"mix": phase.mix, "samples": phase.samples, "with_replacement": phase.with_replacement}

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test package: a real S3 (moto server) on loopback."""
+"""Fixtures shared by every test package: a real S3 (moto server) on loopback, the tiny demo data params."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from sdforge.config import Params, load_params
+from tests.fixtures import demo_data
 
 
 @dataclass
@@ -79,3 +83,29 @@ def _mlflow_state_is_per_test() -> Iterator[None]:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+@pytest.fixture
+def demo_params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Params:
+    """Tiny demo params written to ``tmp_path/params.yaml``; the test runs with ``tmp_path`` as cwd."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return load_params(demo_data.write_params(tmp_path, demo_data.tiny_params()))
+
+
+@pytest.fixture
+def run_until():
+    """``run_until(params, stage)``: run the data stages up to ``stage`` through their ``run()``."""
+    return demo_data.run_until
+
+
+@pytest.fixture
+def tree_digest():
+    """``tree_digest(root)``: one hash over a folder's file names and bytes."""
+    return demo_data.tree_digest
+
+
+@pytest.fixture
+def free_port():
+    """``free_port()``: a loopback TCP port free right now."""
+    return demo_data.free_port

@@ -19,8 +19,10 @@ import yaml
 from PIL import Image
 from safetensors import safe_open
 
+from tools.tiny_demo import free_port, shrink
+
 REPO = Path(__file__).resolve().parents[1]
-COPY = ["stages", "model", "dvc.yaml", "params.yaml", "pyproject.toml"]
+COPY = ["stages", "sdforge", "model", "dvc.yaml", "params.yaml", "pyproject.toml"]
 
 
 def _env() -> dict:
@@ -30,29 +32,6 @@ def _env() -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def shrink(params: dict, port: int) -> dict:
-    """The demo params, made small enough for a test: 2 phases, fewer rows and steps."""
-    demo = params["demo"]
-    demo.update(laion_rows=96, archive_images=48, http_port=port)
-    params["models"]["vae_build"].update(train_steps=30)
-    params["phases"] = {
-        "phase1": {**params["phases"]["phase1"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
-        "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
-                   "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
-    }
-    params["train"].update(save_steps=3, log_every=1)
-    params["eval"].update(prompts=params["eval"]["prompts"][:4], steps=4, batch_size=4, columns=2)
-    return params
 
 
 def dvc(project: Path, *args: str) -> str:
@@ -74,7 +53,7 @@ def project(tmp_path_factory) -> Path:
         src = REPO / name
         shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() \
             else shutil.copy(src, root / name)
-    params = shrink(yaml.safe_load((REPO / "params.yaml").read_text()), _free_port())
+    params = shrink(yaml.safe_load((REPO / "params.yaml").read_text()), free_port())
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     dvc(root, "init", "-q")

@@ -3,7 +3,7 @@
 import torch
 
 from model.builders import count_parameters, unet_config
-from stages.config import load_params
+from sdforge.config import load_params
 
 SD1_UNET_PARAMS = 859_520_964
 

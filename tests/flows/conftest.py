@@ -91,7 +91,7 @@ def free_port() -> int:
 def prefect_stack(tmp_path_factory: pytest.TempPathFactory):
     """A real Prefect server + process worker on a free loopback port, deployed from a mini project's
     copy of the repo's prefect.yaml. Torn down worker first (SIGINT), then the server."""
-    from flows.stack import Stack
+    from tools.stack import Stack
 
     base = tmp_path_factory.mktemp("stack")
     stack = Stack(
@@ -195,11 +195,11 @@ FAKE_STAGE = textwrap.dedent(
         Path(f"mix-{{item}}.txt").write_text(Path("prepared.txt").read_text() + f"mix {{item}}\\n")
         metrics = {{"samples": 3}}
     elif stage == "train":
-        from stages.checkpoints import resume_point
-        from stages.config import load_params
-        from stages.s3_checkpoints import RemoteRun, run_url
-        from stages.tracking import log_stage
-        from tests.stages.test_checkpoints import save
+        from sdforge.training.resume import resume_point
+        from sdforge.config import load_params
+        from sdforge.training.s3_checkpoints import RemoteRun, run_url
+        from sdforge.tracking import log_stage
+        from tests.fixtures.checkpoints import save
 
         params = load_params("params.yaml")
         s3_url, run_dir = params.train.checkpoint_s3, Path("runs") / item
@@ -218,8 +218,8 @@ FAKE_STAGE = textwrap.dedent(
         Path(f"grid-{{item}}.txt").write_text(Path(f"model-{{item}}.txt").read_text() + "grid\\n")
         metrics = {{"score": 0.5}}
         if os.environ.get("FAKE_TRAIN_MLFLOW"):  # tagged like stages/eval_grid.py: "eval_grid" under the phase
-            from stages.config import load_params
-            from stages.tracking import log_stage
+            from sdforge.config import load_params
+            from sdforge.tracking import log_stage
 
             log_stage(load_params("params.yaml").tracking, item, "eval_grid", metrics)
     metrics_file.write_text(json.dumps(metrics))
@@ -258,3 +258,12 @@ def fresh_clone(project: Path, dest: Path) -> Path:
 def ran_here(project: Path) -> list[str]:
     log = project / "ran.log"
     return log.read_text().split() if log.exists() else []
+
+
+def artifacts_of(flow_run_id) -> dict[str, object]:
+    """The Prefect artifacts of one flow run, by key (or type when it has no key)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        found = [a for a in client.read_artifacts(limit=200) if a.flow_run_id == flow_run_id]
+    return {(a.key or a.type): a for a in found}

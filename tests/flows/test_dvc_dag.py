@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from flows.dvc_dag import all_stages, upstream_stages
-from flows.dvc_runner import StageFailed, run_dvc_stage
+from flows.dvc_ops.dag import all_stages, upstream_stages
+from flows.dvc_ops.runner import StageFailed, run_dvc_stage
 from tests.flows.conftest import make_mini_project
 
 

@@ -1,4 +1,4 @@
-"""flows.dvc_runner: the stage runs in its own process group, and stale DVC locks left by a kill are cleared.
+"""flows.dvc_ops.runner: the stage runs in its own process group, and stale DVC locks left by a kill are cleared.
 
 Real ``dvc`` on a two-stage project in a tmp dir. The rwlock entries are written the way
 ``dvc/rwlock.py`` writes them (``{"write": {abs path: {"pid", "cmd"}}, "read": {...}}``).
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.dvc_runner import StageFailed, clear_stale_locks, lock_holder_state, run_dvc_stage, stage_env
+from flows.dvc_ops.runner import StageFailed, clear_stale_locks, lock_holder_state, run_dvc_stage, stage_env
 
 HOLD = "import os, pathlib, time; pathlib.Path('hold.pid').write_text(str(os.getpid())); time.sleep(60)"
 DVC_YAML = textwrap.dedent(f"""\

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from tests.flows.conftest import make_mini_project
-from tests.flows.test_pod_resume import _artifacts_of
+from tests.flows.conftest import artifacts_of, make_mini_project
 
 
 def test_force_stage_reruns_that_stage_only(mini_project, prefect_api, monkeypatch):
@@ -67,7 +66,7 @@ def test_progress_bars_become_a_progress_artifact_not_log_lines(tmp_path, prefec
     state = train_phase(phase="phase1", return_state=True)
     assert state.result()["ran"] == ["eval_grid@phase1"]
     run_id = state.state_details.flow_run_id
-    artifacts = _artifacts_of(run_id)
+    artifacts = artifacts_of(run_id)
     assert artifacts["progress-eval-grid-phase1"].data == 100.0
     assert artifacts["progress"].data == 100.0  # the flow's own: stages done / stages
     assert "**ran**" in artifacts["stage-eval-grid-phase1"].data

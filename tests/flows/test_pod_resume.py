@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import free_port, fresh_clone, make_remote_project, ran_here
+from tests.flows.conftest import artifacts_of, free_port, fresh_clone, make_remote_project, ran_here
 
 pytestmark = pytest.mark.slow
-
-
-def _artifacts_of(flow_run_id) -> dict[str, object]:
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        found = [a for a in client.read_artifacts(limit=200) if a.flow_run_id == flow_run_id]
-    return {(a.key or a.type): a for a in found}
 
 
 def _run(phase: str) -> tuple[dict, object, float]:
@@ -34,7 +26,7 @@ def _run(phase: str) -> tuple[dict, object, float]:
 
 
 def test_pod_dies_mid_train_and_a_fresh_clone_resumes(tmp_path, moto_s3, prefect_api, monkeypatch):
-    from stages.checkpoints import COMPLETE
+    from sdforge.training.checkpoints import COMPLETE
 
     pod1 = make_remote_project(tmp_path / "pod1", moto_s3)
     monkeypatch.chdir(pod1)
@@ -60,7 +52,7 @@ def test_pod_dies_mid_train_and_a_fresh_clone_resumes(tmp_path, moto_s3, prefect
     assert train == {"resumed_from_step": 2, "steps": 4}  # from the S3 checkpoint, not from step 0
     assert (pod2 / "grid-phase1.txt").read_text() == "model phase1 after 4 steps\ngrid\n"
 
-    artifacts = _artifacts_of(run_id)
+    artifacts = artifacts_of(run_id)
     assert "resumed_from_step | 2" in artifacts["stage-train-phase1"].data
     assert "(remote: pulled)" in artifacts["stage-mix-phase-phase1"].data
     assert "| samples | 3 |" in artifacts["stage-mix-phase-phase1"].data
@@ -98,8 +90,8 @@ def test_deployment_on_a_fresh_clone_resumes_and_no_secret_leaks(tmp_path, moto_
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
-    from flows.stack import Stack
     from flows.train_phase import train_phase
+    from tools.stack import Stack
 
     key_id, secret = "AKIASENTINEL00000KEY", "SENTINEL-aws-secret-access-key-SECRET"
     needles = [key_id.encode(), secret.encode()]

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from flows.dvc_dag import upstream_stages
-from flows.dvc_remote import configure_remote, default_remote, push_stage, restore_stage, sync_run_cache
-from flows.dvc_runner import run_dvc_stage
-from stages.config import Storage, load_params
+from flows.dvc_ops.dag import upstream_stages
+from flows.dvc_ops.remote import configure_remote, default_remote, push_stage, restore_stage, sync_run_cache
+from flows.dvc_ops.runner import run_dvc_stage
+from sdforge.config import Storage, load_params
 from tests.flows.conftest import fresh_clone, make_remote_project, ran_here
 
 

@@ -1,4 +1,4 @@
-"""`python -m flows.stack up --with-s3 --mlflow` (what `make stack-up-s3` runs), on free ports against a
+"""`python -m tools.stack up --with-s3 --mlflow` (what `make stack-up-s3` runs), on free ports against a
 mini project: moto's S3 server, the MLflow server with its artifacts on S3, Prefect server + worker; a
 deployment run pushes its stages to the DVC remote that `up` configured; `down` stops everything."""
 
@@ -17,7 +17,7 @@ def test_stack_up_with_s3_and_mlflow(tmp_path, monkeypatch):
     import boto3
     import mlflow
 
-    from flows.stack import LOCAL_BUCKET, Stack
+    from tools.stack import LOCAL_BUCKET, Stack
 
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(key, raising=False)

@@ -22,7 +22,7 @@ from model.builders import (
     unet_config,
     vae_downsample_factor,
 )
-from stages.config import NoiseSchedule, UNetSpec
+from sdforge.config import NoiseSchedule, UNetSpec
 
 SD1_UNET_PARAMS = 859_520_964
 

@@ -130,7 +130,7 @@ def test_noise_offset_shifts_each_channel_mean():
 
 
 def test_zero_snr_requires_v_prediction():
-    from stages.config import NoiseSchedule
+    from sdforge.config import NoiseSchedule
 
     with pytest.raises(ValueError, match="needs prediction_type v_prediction"):
         NoiseSchedule(rescale_betas_zero_snr=True)
@@ -199,7 +199,7 @@ def test_unet_attention_uses_sdpa():
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     from model.builders import build_unet, unet_config
-    from tests.stages.test_prepare_models import TINY_UNET
+    from tests.fixtures.training import TINY_UNET
 
     spec = {"in_channels": 4, "out_channels": 4, **TINY_UNET}
     processors = build_unet(unet_config(spec), seed=0).attn_processors

@@ -5,8 +5,8 @@ import torch
 
 from model.builders import noise_scheduler
 from model.sampler import ddim_from_training, sample_latents
-from tests.stages.eval_fixtures import DEMO_NOISE
-from tests.stages.eval_fixtures import tiny_unet as tiny_unet_seeded
+from tests.fixtures.eval_workspace import DEMO_NOISE
+from tests.fixtures.eval_workspace import tiny_unet as tiny_unet_seeded
 
 SD_NOISE = dict(
     num_train_timesteps=1000,

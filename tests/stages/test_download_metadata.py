@@ -8,9 +8,9 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
+from sdforge.config import Source
+from sdforge.io import InputError
 from stages import download_metadata
-from stages.common import InputError
-from stages.config import Source
 
 
 def make_repo(root: Path) -> Path:

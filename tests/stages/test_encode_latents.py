@@ -25,11 +25,13 @@ from transformers import CLIPTokenizer
 
 from model.builders import build_tiny_vae
 from model.latents import images_to_tensor
+from sdforge.config import Encode
+from sdforge.demo.models import write_demo_tokenizer
+from sdforge.ingest.shards import tar_bytes
+from sdforge.latents import store as store
+from sdforge.latents.encoded import MANIFEST_SCHEMA
 from stages import encode_latents
-from stages import latent_store as store
-from stages.config import Encode
-from stages.prepare_models import write_demo_tokenizer
-from stages.shards import tar_bytes
+from tests.fixtures.demo_data import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 RES = 16  # VAE [8, 16] halves it: latents [4, 8, 8]
@@ -80,9 +82,7 @@ def cfg(**kw) -> Encode:
 
 
 def digest(root: Path) -> str:
-    from tests.stages.conftest import _tree_digest
-
-    return _tree_digest(root)
+    return tree_digest(root)
 
 
 def stamps(root: Path) -> dict[str, tuple[bytes, int]]:
@@ -99,7 +99,7 @@ def test_latents_equal_a_direct_vae_encode(models, tmp_path):
     vae = AutoencoderKL.from_pretrained(models / "vae").eval()
     tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
     manifest = pl.read_parquet(tmp_path / "out" / store.MANIFEST)
-    assert manifest.columns == encode_latents.MANIFEST_SCHEMA.names
+    assert manifest.columns == MANIFEST_SCHEMA.names
     for shard, tar_path in enumerate(tars):
         with tarfile.open(tar_path) as tar:
             files = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
@@ -171,7 +171,7 @@ def test_output_is_independent_of_workers_prefetch_and_mtimes(models, tmp_path):
 def test_tar_reader_matches_tarfile(fmt, tmp_path):
     from collections import Counter
 
-    from stages.encode_inputs import iter_tar_groups, iter_tar_members
+    from sdforge.latents.inputs import iter_tar_groups, iter_tar_members
 
     long_dir = "d" * 120 if fmt != tarfile.USTAR_FORMAT else "d" * 60 + "/" + "e" * 60
     members = {"a/0001.jpg": b"x" * 700, "a/0001.txt": b"caption", f"{long_dir}/0002.jpg": b"y" * 512, "0003.json": b""}
@@ -190,7 +190,7 @@ def test_tar_reader_matches_tarfile(fmt, tmp_path):
 
 
 def test_token_ids_equal_the_tokenizer_with_truncation(models):
-    from stages.encode_inputs import Tokens
+    from sdforge.latents.inputs import Tokens
 
     tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
     captions = ["a red circle", "", " ".join(["a blue square on a black background"] * 12), "a red circle"]
@@ -258,7 +258,7 @@ def test_sigkill_then_rerun_encodes_only_the_missing_shards(models, encoded, tmp
     assert not (out / store.MANIFEST).exists()
 
     monkeypatch.chdir(tmp_path)  # the rerun: the same CLI, in this process (MLflow logging stubbed out)
-    monkeypatch.setattr("stages.tracking.log_stage", lambda *a, **k: None)
+    monkeypatch.setattr(encode_latents, "log_stage", lambda *a, **k: None)
     encode_latents.main(["--params", str(params), "--item", "laion"])
     metrics = json.loads((tmp_path / "metrics/encode_latents/laion.json").read_text())
     assert metrics["shards_reused"] == len(done) and metrics["shards_encoded"] == 6 - len(done)
@@ -325,7 +325,7 @@ def test_s3_input_equals_local_input(models, encoded, tmp_path, monkeypatch):
     moto = pytest.importorskip("moto")
     import boto3
 
-    from stages import s3_inputs
+    from sdforge.latents import s3_inputs
 
     shards, _ = encoded
     root = shards.parents[1]
@@ -365,7 +365,8 @@ def test_a_failing_vae_setup_stops_the_input_threads(tmp_path):
     """The encoder is built after the reader/batcher/decode threads start: if that fails, they stop."""
     import threading
 
-    from stages.encode_pipeline import Options, TarInput, encode_shards
+    from sdforge.latents.inputs import TarInput
+    from sdforge.latents.pipeline import Options, encode_shards
 
     paths = write_tars(tmp_path / "shards", n_tars=2, per_tar=20)
     tars = [TarInput(i, p.name, str(p), p.stat().st_size) for i, p in enumerate(paths)]

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sdforge.config import Eval, load_params
+from sdforge.eval import grid
+from sdforge.eval.sampling import generate, load_pipeline
 from stages import eval_grid
-from stages.config import Eval, load_params
-from stages.sampling import generate, load_pipeline
-from tests.stages.eval_fixtures import REPO, make_workspace, write_params
+from tests.fixtures.eval_workspace import REPO, make_workspace, write_params
 
 SHAPES = ["a red circle on a white background", "a blue square on a black background"]
 CATS = ["a cat photo"]
@@ -62,7 +63,7 @@ def test_grid_samples_ema_weights_with_each_categorys_settings(workspace, grid_r
 
 def test_grid_and_one_strip_per_category(grid_run):
     _, out = grid_run
-    cell, caption = eval_grid.CELL, eval_grid.CAPTION_H
+    cell, caption = grid.CELL, grid.CAPTION_H
     assert Image.open(out / "grid.png").size == (2 * cell, 2 * (cell + caption))  # 3 images in 2 columns
     assert Image.open(out / "strips/shapes.png").size == (2 * cell, cell + caption)
     assert Image.open(out / "strips/cats.png").size == (cell, cell + caption)
@@ -89,7 +90,7 @@ def test_categories_config():
 
 
 def test_guidance_above_9_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="stages.config"):
+    with caplog.at_level(logging.WARNING, logger="sdforge.config"):
         Eval(
             prompts={"portrait": ["x"], "city": ["y"]},
             guidance_scale=7.5,

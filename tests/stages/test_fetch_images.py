@@ -27,11 +27,12 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from stages import fetch_images, shards, url_guard
-from stages.common import InputError
-from stages.config import FetchSettings, Source
-from stages.demo_http import serve_directory
-from tests.stages.source_fixtures import check_tar_layout
+from sdforge.config import FetchSettings, Source
+from sdforge.demo.http_server import serve_directory
+from sdforge.ingest import fetch_state, shards, url_fetch, url_guard
+from sdforge.io import InputError
+from stages import fetch_images
+from tests.fixtures.sources import check_tar_layout
 
 REPO = Path(__file__).resolve().parents[2]
 NO_FAILURES = dict.fromkeys(url_guard.REASONS, 0)
@@ -68,7 +69,7 @@ def test_laion_cli_fetches_good_rows_from_the_loopback_server(demo_params, run_u
         "error_http": demo.missing_rows,
     }
     out = Path(demo_params.paths.shards) / "laion"
-    assert sorted(p.name for p in out.iterdir()) == [fetch_images.FINGERPRINT_FILE] + [
+    assert sorted(p.name for p in out.iterdir()) == [fetch_state.FINGERPRINT_FILE] + [
         f"0000{i}{ext}" for i in range(2) for ext in (".parquet", ".tar", "_stats.json")
     ]
     check_tar_layout(out)
@@ -358,15 +359,15 @@ def test_distributor_is_passed_to_img2dataset(distributor, tmp_path, monkeypatch
     calls = []
     monkeypatch.setattr(img2dataset, "download", lambda **kwargs: calls.append(kwargs))
     fetch = FetchSettings() if distributor is None else FetchSettings(distributor=distributor)
-    with pytest.raises(fetch_images.FetchIncomplete):  # the stand-in wrote no shard
-        fetch_images.fetch_urls(tmp_path / "filtered.parquet", tmp_path / "out", fetch, rows=1)
+    with pytest.raises(url_fetch.FetchIncomplete):  # the stand-in wrote no shard
+        url_fetch.fetch_urls(tmp_path / "filtered.parquet", tmp_path / "out", fetch, rows=1)
     assert [c["distributor"] for c in calls] == [distributor or "multiprocessing"]
 
 
 def test_unknown_distributor_is_a_config_error_naming_the_key():
     import yaml
 
-    from stages.config import ConfigError, parse_params
+    from sdforge.config import ConfigError, parse_params
 
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     data["sources"]["laion"]["fetch"]["distributor"] = "dask"

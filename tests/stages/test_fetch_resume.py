@@ -20,16 +20,17 @@ import pyarrow as pa
 import pytest
 import webdataset as wds
 
-from stages import fetch_images, shards
-from stages.config import FetchSettings, Source
-from stages.demo_http import serve_directory
+from sdforge.config import FetchSettings, Source
+from sdforge.demo.http_server import serve_directory
+from sdforge.ingest import fetch_state, shards, url_fetch
+from stages import fetch_images
 
 REPO = Path(__file__).resolve().parents[2]
 
 DRIVER = """\
 import json, sys
 from stages import fetch_images
-from stages.config import FetchSettings, Source
+from sdforge.config import FetchSettings, Source
 
 if __name__ == "__main__":  # img2dataset spawns its workers
     fetch = FetchSettings.model_validate_json(sys.argv[1])
@@ -57,10 +58,10 @@ def test_discard_unfinished_keeps_finished_shards_only(tmp_path):
     (tmp_path / "_tmp" / "6.feather").write_bytes(b"arrow")
     (tmp_path / ".00005.tar.abc123.tmp").write_bytes(b"half")  # atomic_write_bytes temporary
     (tmp_path / "notes.json").write_text("{}")  # img2dataset would parse its number
-    (tmp_path / fetch_images.FINGERPRINT_FILE).write_text("fp")
-    removed = shards.discard_unfinished(tmp_path, keep={fetch_images.FINGERPRINT_FILE})
+    (tmp_path / fetch_state.FINGERPRINT_FILE).write_text("fp")
+    removed = shards.discard_unfinished(tmp_path, keep={fetch_state.FINGERPRINT_FILE})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        fetch_images.FINGERPRINT_FILE,
+        fetch_state.FINGERPRINT_FILE,
         "00000.parquet",
         "00000.tar",
         "00000_stats.json",
@@ -107,28 +108,28 @@ def test_fingerprint_follows_the_inputs_and_the_output_settings_only(tmp_path):
     filtered = tmp_path / "filtered.parquet"
     pl.DataFrame({"url": ["http://a/1.jpg"], "caption": ["x"]}).write_parquet(filtered)
     base = FetchSettings(image_size=32)
-    fp = fetch_images.fingerprint(filtered, base)
-    assert fetch_images.fingerprint(filtered, base.model_copy(update={"threads": 3, "processes": 4})) == fp
-    assert fetch_images.fingerprint(filtered, base.model_copy(update={"timeout": 1, "retries": 2})) == fp
+    fp = fetch_state.fingerprint(filtered, base)
+    assert fetch_state.fingerprint(filtered, base.model_copy(update={"threads": 3, "processes": 4})) == fp
+    assert fetch_state.fingerprint(filtered, base.model_copy(update={"timeout": 1, "retries": 2})) == fp
     for update in ({"image_size": 64}, {"shard_size": 7}, {"allow_networks": ["10.0.0.0/8"]}, {"max_image_pixels": 9}):
-        assert fetch_images.fingerprint(filtered, base.model_copy(update=update)) != fp, update
+        assert fetch_state.fingerprint(filtered, base.model_copy(update=update)) != fp, update
     out = tmp_path / "out"
-    assert fetch_images.prepare_out_dir(out, fp) is False
+    assert fetch_state.prepare_out_dir(out, fp) is False
     _shard_files(out, "00000")
     _shard_files(out, "00001", stats=None)
-    assert fetch_images.prepare_out_dir(out, fp) is True  # same fingerprint: finished shard kept
+    assert fetch_state.prepare_out_dir(out, fp) is True  # same fingerprint: finished shard kept
     assert sorted(p.name for p in out.iterdir()) == [
-        fetch_images.FINGERPRINT_FILE,
+        fetch_state.FINGERPRINT_FILE,
         "00000.parquet",
         "00000.tar",
         "00000_stats.json",
     ]
     pl.DataFrame({"url": ["http://a/2.jpg"], "caption": ["x"]}).write_parquet(filtered)
-    other = fetch_images.fingerprint(filtered, base)
+    other = fetch_state.fingerprint(filtered, base)
     assert other != fp
-    assert fetch_images.prepare_out_dir(out, other) is False  # other input: emptied
-    assert [p.name for p in out.iterdir()] == [fetch_images.FINGERPRINT_FILE]
-    assert (out / fetch_images.FINGERPRINT_FILE).read_text() == other
+    assert fetch_state.prepare_out_dir(out, other) is False  # other input: emptied
+    assert [p.name for p in out.iterdir()] == [fetch_state.FINGERPRINT_FILE]
+    assert (out / fetch_state.FINGERPRINT_FILE).read_text() == other
 
 
 def _sample_set(folder: Path) -> set[tuple[str, str, str]]:
@@ -199,7 +200,7 @@ def test_sigkill_mid_fetch_then_rerun_fetches_only_unfinished_shards(tmp_path, t
             else:
                 assert hits[path] >= 1, path
         assert metrics["successes"] == metrics["samples"] == n and metrics["shards"] == n // shard_size
-        assert sorted(p.name for p in out.iterdir()) == [fetch_images.FINGERPRINT_FILE] + [
+        assert sorted(p.name for p in out.iterdir()) == [fetch_state.FINGERPRINT_FILE] + [
             f"{shards.shard_name(s)}{ext}"
             for s in range(n // shard_size)
             for ext in (".parquet", ".tar", "_stats.json")
@@ -227,18 +228,18 @@ def test_sigkill_mid_fetch_then_rerun_fetches_only_unfinished_shards(tmp_path, t
 def test_img2dataset_sigint_exit_0_becomes_an_interrupt():
     """img2dataset's SIGINT handler calls ``sys.exit(0)``: a stage must not end "successfully" on Ctrl-C."""
     handler = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt), fetch_images._interrupts_stay_interrupts():
+    with pytest.raises(KeyboardInterrupt), url_fetch._interrupts_stay_interrupts():
         signal.signal(signal.SIGINT, lambda *_: None)  # as img2dataset.download does
         sys.exit(0)
     assert signal.getsignal(signal.SIGINT) is handler
-    with pytest.raises(SystemExit), fetch_images._interrupts_stay_interrupts():
+    with pytest.raises(SystemExit), url_fetch._interrupts_stay_interrupts():
         sys.exit(3)
 
 
 def test_local_kind_resumes_finished_shards_and_restarts_when_the_archives_change(tmp_path, monkeypatch):
     """fetch_images keeps a local kind's finished shards on rerun; a changed source file empties the folder."""
-    from stages import reshard
-    from tests.stages.source_fixtures import GREEN, RED, image_bytes, run_source, write_files
+    from sdforge.ingest import reshard
+    from tests.fixtures.sources import GREEN, RED, image_bytes, run_source, write_files
 
     repo = tmp_path / "repo"
     write_files(

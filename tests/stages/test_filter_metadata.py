@@ -10,9 +10,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from stages import filter_metadata, laion_dedup, laion_filter
-from stages.common import InputError
-from stages.config import Columns, FilterRules, Source
+from sdforge.config import Columns, FilterRules, Source
+from sdforge.ingest.sources.laion import dedup as laion_dedup
+from sdforge.ingest.sources.laion import filter as laion_filter
+from sdforge.io import InputError
+from stages import filter_metadata
 
 RULES = FilterRules(
     min_aesthetic=5.0,
@@ -188,7 +190,7 @@ def test_a_missing_column_that_a_rule_needs_is_named(tmp_path):
 def test_mlflow_gets_metrics_the_metrics_json_and_the_histograms(tmp_path):
     import mlflow
 
-    from stages.config import Tracking
+    from sdforge.config import Tracking
 
     meta = tmp_path / "meta"
     meta.mkdir()

@@ -11,8 +11,8 @@ import numpy as np
 import polars as pl
 import pytest
 
+from sdforge.demo.shapes import parse_caption
 from stages import make_demo_data
-from stages.demo_shapes import parse_caption
 
 
 @pytest.fixture

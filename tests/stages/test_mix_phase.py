@@ -4,8 +4,8 @@ import polars as pl
 import pytest
 from pydantic import ValidationError
 
-from stages.common import InputError
-from stages.config import Phase
+from sdforge.config import Phase
+from sdforge.io import InputError
 from stages.mix_phase import build_index, index_digest, requested_counts, run, split_counts
 
 

@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.builders import build_tiny_text_encoder, build_tiny_vae
+from sdforge.config import ConfigError, DemoData, Eval, Models
 from stages import prepare_models
-from stages.config import ConfigError, DemoData, Eval, Models
+from tests.fixtures.training import TINY_UNET
 
 DEMO = DemoData(
     image_size=48,
@@ -22,16 +23,6 @@ DEMO = DemoData(
     backgrounds={"white": (245, 245, 245), "black": (15, 15, 15)},
 )
 EVAL = Eval(prompts=["a red circle on a white background", "a blue square, on black!"], negative_prompt="blurry")
-TINY_UNET = {
-    "sample_size": 8,
-    "block_out_channels": [16, 32],
-    "layers_per_block": 1,
-    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-    "cross_attention_dim": 32,
-    "attention_head_dim": 4,
-    "norm_num_groups": 8,
-}
 TINY_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
 
 
@@ -128,10 +119,10 @@ def test_uncond_embedding_is_the_empty_prompt_encoded_once(built):
 def test_trainer_reads_the_uncond_file_and_falls_back_without_it(tmp_path):
     from safetensors.torch import save_file
 
-    from stages.config import load_params
-    from stages.distributed import Dist
-    from stages.trainer import Trainer
-    from tests.stages.test_train import build_workspace
+    from sdforge.config import load_params
+    from sdforge.training.distributed import Dist
+    from sdforge.training.trainer import Trainer
+    from tests.fixtures.training import build_workspace
 
     params = load_params(build_workspace(tmp_path))
     path = Path(params.paths.models) / prepare_models.UNCOND_EMBEDDING

@@ -5,107 +5,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
 
-from stages import mix_phase, prepare_models
-from stages.common import InputError
-from stages.config import parse_params
-from tests.stages.test_prepare_models import TINY_UNET as PREPARE_TINY_UNET
-
-REPO = Path(__file__).resolve().parents[2]
-TINY_UNET = {**PREPARE_TINY_UNET, "in_channels": 4, "out_channels": 4}
-
-
-def tiny_params(root: Path) -> dict:
-    """The demo params with every path under ``root`` and tiny models/phases."""
-    data = yaml.safe_load((REPO / "params.yaml").read_text())
-    data["paths"] = {k: str(root / v) for k, v in data["paths"].items()}
-    data["tracking"]["mlflow_uri"] = f"sqlite:///{root / 'mlflow.db'}"
-    data["models"]["vae_build"].update(train_steps=1, block_out_channels=[8, 16], batch_size=4)
-    data["models"]["text_encoder_build"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    data["models"]["unet"] = TINY_UNET
-    data["train"].update(save_steps=2, keep_last=2, log_every=1, ema_decay=0.99)
-    base = {
-        "mix": {"laion": 1.0},
-        "samples": 40,
-        "with_replacement": False,
-        "epochs": 2,
-        "lr": 1e-3,
-        "warmup_steps": 2,
-        "cfg_dropout": 0.2,
-        "batch_size": 8,
-        "grad_accum": 2,
-    }
-    data["phases"] = {"phase1": {**base, "init_from": "scratch"}, "phase2": {**base, "init_from": "phase1"}}
-    return data
-
-
-def build_workspace(root: Path) -> Path:
-    """Models, a 40-sample latent store and the phase-1/2 indexes under ``root``; returns the params file."""
-    data = tiny_params(root)
-    params = parse_params(data)
-    prepare_models.run(
-        params.models, params.demo, params.eval, Path(params.paths.models), Path(params.paths.checkpoints) / "scratch"
-    )
-    store = Path(params.paths.latents) / "laion"
-    store.mkdir(parents=True)
-    gen = torch.Generator().manual_seed(0)
-    save_file(
-        {
-            "latents": torch.randn(40, 4, 8, 8, generator=gen).half(),
-            "input_ids": torch.randint(0, 500, (40, 77), generator=gen, dtype=torch.int32),
-        },
-        store / "shard-00000.safetensors",
-    )
-    pl.DataFrame(
-        {
-            "key": [f"{i:04d}" for i in range(40)],
-            "caption": ["c"] * 40,
-            "source": ["laion"] * 40,
-            "shard": [0] * 40,
-            "row": list(range(40)),
-        }
-    ).write_parquet(store / "manifest.parquet")
-    for phase in ("phase1", "phase2"):
-        mix_phase.run(
-            phase,
-            params.phases[phase],
-            Path(params.paths.latents),
-            Path(params.paths.mixes) / f"{phase}.parquet",
-            params.train.seed,
-        )
-    path = root / "params.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def train(params_file: Path, phase: str, kill_at: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": str(REPO)}
-    env.pop("SDFORGE_KILL_AT_STEP", None)
-    if kill_at is not None:
-        env["SDFORGE_KILL_AT_STEP"] = str(kill_at)
-    return subprocess.run(
-        [sys.executable, "-m", "stages.train", "--params", str(params_file), "--item", phase],
-        cwd=params_file.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def weights(root: Path, phase: str, sub: str) -> dict:
-    return load_file(root / "checkpoints" / phase / sub / "diffusion_pytorch_model.safetensors")
-
+from sdforge.io import InputError
+from tests.fixtures.training import TRAIN_UNET, build_workspace, train, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
 # A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
@@ -167,8 +75,8 @@ def test_sigkill_then_resume_is_bit_identical(runs):
 
 def test_next_phase_starts_from_previous_ema(runs):
     straight = runs[0]
-    from stages.config import load_params
-    from stages.trainer import load_init_unet
+    from sdforge.config import load_params
+    from sdforge.training.trainer import load_init_unet
 
     params = load_params(straight / "params.yaml")
     unet = load_init_unet(straight / "checkpoints/phase1", "ema", params.models.unet.model_dump())
@@ -177,9 +85,9 @@ def test_next_phase_starts_from_previous_ema(runs):
 
 
 def test_architecture_mismatch_is_a_clear_error(runs):
-    from stages.trainer import load_init_unet
+    from sdforge.training.trainer import load_init_unet
 
-    spec = {**TINY_UNET, "block_out_channels": [32, 64]}
+    spec = {**TRAIN_UNET, "block_out_channels": [32, 64]}
     with pytest.raises(
         InputError, match=r"block_out_channels=\[16, 32\] but params models.unet.block_out_channels=\[32, 64\]"
     ):

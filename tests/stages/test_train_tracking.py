@@ -10,9 +10,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from stages.common import InputError
-from stages.config import parse_params
-from tests.stages.test_train import build_workspace
+from sdforge.config import parse_params
+from sdforge.io import InputError
+from tests.fixtures.training import build_workspace
 
 LOADER_DELAY_S = 0.05
 
@@ -32,7 +32,8 @@ def _params(params_file: Path, **phase1):
 def test_step_metrics_logged_every_n_steps(workspace, monkeypatch):
     import mlflow
 
-    from stages import train, trainer
+    from sdforge.training import trainer
+    from stages import train
 
     slow_batches = trainer.iter_batches
 
@@ -74,8 +75,8 @@ def _foreign(unet, wrap) -> dict:
     [("a.safetensors", lambda sd: sd), ("b.pt", lambda sd: {"state_dict": {"ema": sd}, "step": 5})],
 )
 def test_phase_init_path_loads_foreign_weights(workspace, tmp_path, name, wrap):
-    from stages.distributed import init_distributed
-    from stages.trainer import Trainer, load_init_unet
+    from sdforge.training.distributed import init_distributed
+    from sdforge.training.trainer import Trainer, load_init_unet
 
     params = _params(workspace)
     base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())
@@ -89,8 +90,8 @@ def test_phase_init_path_loads_foreign_weights(workspace, tmp_path, name, wrap):
 
 
 def test_phase_init_path_mismatch_names_keys_and_file(workspace, tmp_path):
-    from stages.distributed import init_distributed
-    from stages.trainer import Trainer, load_init_unet
+    from sdforge.training.distributed import init_distributed
+    from sdforge.training.trainer import Trainer, load_init_unet
 
     params = _params(workspace)
     base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())

@@ -1,0 +1,645 @@
+"""Typed, validated configuration for every stage, loaded from ``params.yaml``.
+
+One loader (:func:`load_params`) for the whole project. Every section is a frozen
+pydantic model with ``extra="forbid"``: an unknown key, a wrong type or an impossible
+value fails at load time with the key path and what was expected, e.g.::
+
+    params.yaml: phases.phase3.mix.laoin: phase mixes a source that is not defined
+    under 'sources' (defined: diffusiondb, laion)
+
+Stage modules take only their own section(s); they never see the raw dict.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import string
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
+
+SCRATCH = "scratch"
+"""``init_from`` value of a phase that starts from the seeded random UNet."""
+
+
+class ConfigError(ValueError):
+    """A params file that does not validate; the message names the key path."""
+
+
+class Section(BaseModel):
+    """Base of every config section: immutable, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+RGB = tuple[int, int, int]
+
+
+class Paths(Section):
+    """Every on-disk location of the pipeline (relative to the repo root)."""
+
+    demo_source: str
+    metadata: str
+    filtered: str
+    shards: str
+    latents: str
+    models: str
+    mixes: str
+    checkpoints: str
+    runs: str
+    eval: str
+    metrics: str
+
+
+class Tracking(Section):
+    """MLflow: tracking URI (overridden by ``MLFLOW_TRACKING_URI``) and experiment."""
+
+    mlflow_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "sdforge"
+
+
+class Storage(Section):
+    """S3 (or S3-compatible) storage shared by every machine. URLs only: credentials come from the
+    standard AWS chain (environment, ~/.aws, the pod's role) and are never written to params or repo.
+    Checkpoints go to ``train.checkpoint_s3`` (a param of the train stage)."""
+
+    dvc_remote: str | None = None
+    """``s3://bucket/prefix``: the default DVC remote (set in ``.dvc/config.local`` by the flows)."""
+    remote_name: str = "storage"
+    endpoint_url: str | None = None
+    """An S3-compatible endpoint (MinIO, moto, R2) for DVC; boto3 (checkpoints) reads ``AWS_ENDPOINT_URL``."""
+    mlflow_artifacts: str | None = None
+    """``s3://bucket/prefix``: ``--artifacts-destination`` of the MLflow server ``tools.stack up --mlflow`` starts."""
+
+    @field_validator("dvc_remote", "mlflow_artifacts")
+    @classmethod
+    def _s3_url(cls, url: str | None) -> str | None:
+        if url is not None and (not url.startswith("s3://") or len(url) <= 5):
+            raise ValueError(f"expected an s3://bucket/prefix URL; got {url!r}")
+        return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_userinfo(cls, url: str | None) -> str | None:
+        if url is not None and "@" in url.split("//", 1)[-1].split("/", 1)[0]:
+            raise ValueError("endpoint_url must not carry credentials (user:secret@host); use the AWS chain")
+        return url
+
+
+class DemoData(Section):
+    """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
+
+    enabled: bool = True
+    seed: int = 0
+    image_size: int = Field(48, ge=16)
+    laion_rows: int = Field(0, ge=0)
+    archive_images: int = Field(0, ge=0)
+    http_port: int = Field(8765, ge=1024, le=65535)
+    colours: dict[str, RGB]
+    shapes: list[Literal["circle", "square", "triangle"]]
+    backgrounds: dict[str, RGB]
+    # rows the quality filter must drop / the fetch must survive, each a count
+    low_aesthetic_rows: int = Field(0, ge=0)
+    watermark_rows: int = Field(0, ge=0)
+    nsfw_rows: int = Field(0, ge=0)
+    small_rows: int = Field(0, ge=0)
+    duplicate_rows: int = Field(0, ge=0)
+    missing_rows: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _names_disjoint(self) -> DemoData:
+        if self.enabled and (not self.colours or not self.shapes or not self.backgrounds):
+            raise ValueError("demo needs at least one colour, shape and background")
+        return self
+
+
+class Columns(Section):
+    """Column names of a LAION-style metadata parquet (mirrors spell them differently)."""
+
+    url: str = "URL"
+    caption: str = "TEXT"
+    width: str = "WIDTH"
+    height: str = "HEIGHT"
+    similarity: str = "similarity"
+    punsafe: str = "punsafe"
+    pwatermark: str = "pwatermark"
+    aesthetic: str = "AESTHETIC_SCORE"
+    hash: str = "hash"
+
+
+class FilterRules(Section):
+    """Quality-filter thresholds; ``None`` disables a rule."""
+
+    min_aesthetic: float | None = None
+    min_similarity: float | None = None
+    min_width: int | None = Field(None, ge=0)
+    min_height: int | None = Field(None, ge=0)
+    max_pwatermark: float | None = Field(None, ge=0, le=1)
+    max_punsafe: float | None = Field(None, ge=0, le=1)
+    dedup_url: bool = True
+    dedup_hash: bool = True
+
+
+class FetchSettings(Section):
+    """Image fetch / re-shard settings (img2dataset for URL sources)."""
+
+    image_size: int = Field(512, ge=8)
+    resize_mode: Literal["center_crop", "border", "keep_ratio", "no"] = "center_crop"
+    processes: int = Field(1, ge=1)
+    threads: int = Field(16, ge=1)
+    timeout: float = Field(10, gt=0)
+    retries: int = Field(0, ge=0)
+    shard_size: int = Field(10000, ge=1)
+    min_success_rate: float = Field(0.5, ge=0, le=1)
+    distributor: Literal["multiprocessing", "pyspark", "ray"] = "multiprocessing"
+    serve_demo: bool = False
+    """Serve ``paths.demo_source`` on ``demo.http_port`` (loopback) while fetching."""
+    allow_networks: list[str] = []
+    """CIDRs the SSRF guard lets through although they are loopback/private/link-local/multicast/
+    unspecified (the demo: ``["127.0.0.0/8"]``). Empty: only public addresses are fetched."""
+    max_image_pixels: int = Field(89_478_485, ge=1)
+    """Decompression-bomb limit (width × height of the *original* image); PIL's default."""
+    encode_quality: int = Field(95, ge=1, le=100)
+    """JPEG quality of the re-encoded 512² images (img2dataset's default)."""
+    user_agent_token: str | None = None
+    """Appended to img2dataset's user agent so site owners can identify the crawler."""
+
+    @field_validator("allow_networks")
+    @classmethod
+    def _networks_parse(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an IP network (e.g. '127.0.0.0/8', '::1/128')") from None
+        return value
+
+
+class JourneyDbOptions(Section):
+    """JourneyDB: which annotation text becomes the caption."""
+
+    caption: Literal["prompt", "caption"] = "prompt"
+    """``prompt`` (the Midjourney prompt) or ``caption`` (``Task2.Caption``, a description)."""
+
+
+class FaceOptions(Section):
+    """VGGFace2: template captions; ``{gender}`` is filled from ``identity_meta.csv`` when present."""
+
+    templates: list[str] = Field(
+        [
+            "a close-up photo of a {gender}'s face",
+            "a portrait photograph of a {gender}",
+            "a headshot of a {gender}, detailed face",
+        ],
+        min_length=1,
+    )
+    gender_words: dict[str, str] = {"m": "man", "f": "woman"}
+    """``identity_meta.csv`` ``Gender`` value → the word ``{gender}`` becomes."""
+    unknown_gender: str = "person"
+    """``{gender}`` for identities missing from ``identity_meta.csv`` (or when it is absent)."""
+
+    @field_validator("templates")
+    @classmethod
+    def _only_gender_placeholder(cls, templates: list[str]) -> list[str]:
+        for template in templates:
+            try:
+                fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+            except ValueError as err:
+                raise ValueError(f"template {template!r}: {err}") from None
+            if fields - {"gender"}:
+                raise ValueError(f"template {template!r}: the only placeholder is {{gender}}; got {sorted(fields)}")
+        return templates
+
+
+class CocoOptions(Section):
+    """COCO: keep images with a tall enough person box."""
+
+    min_person_height: float = Field(0.55, gt=0, le=1)
+    """Keep an image when some non-crowd ``person`` box is at least this fraction of its height."""
+    instances: str = "annotations/instances_*.json"
+    captions: str = "annotations/captions_*.json"
+    """Globs (relative to the source folder) of the annotation files."""
+
+
+class LocalOptions(Section):
+    """Local folder: ``name.<img>`` + ``name.txt`` (``mode: txt``) or ``name.json`` with ``tags``/``score``."""
+
+    mode: Literal["txt", "json"] = "txt"
+    exclude_tags: list[str] = []
+    """A sample carrying any of these tags is dropped."""
+    remove_tags: list[str] = []
+    """Removed from the caption (the sample is kept)."""
+    replace_tags: dict[str, str] = {}
+    min_score: float | None = None
+    """Drop samples whose score (plus bonuses) is below this; ``None`` disables."""
+    tag_score_bonus: dict[str, float] = {}
+    """Added to the score for each tag present, before ``min_score`` is applied."""
+    shuffle_tags: float = Field(0.0, ge=0, le=1)
+    """Probability that a sample's tag order is shuffled (seeded by ``seed`` and the file name)."""
+    seed: int = 0
+
+
+class Source(Section):
+    """One data source: where its metadata/archives come from and how to filter/fetch."""
+
+    kind: Literal["laion", "diffusiondb", "journeydb", "vggface2", "coco", "local"]
+    repo: str
+    """HF dataset repo id, or a local directory (demo, tests) holding the same files."""
+    revision: str | None = None
+    allow_patterns: list[str] = ["*.parquet"]
+    cache_dir: str | None = None
+    """Hub download cache (``snapshot_download(cache_dir=...)``); env ``HF_HUB_CACHE`` when None."""
+    columns: Columns = Columns()
+    filter: FilterRules = FilterRules()
+    fetch: FetchSettings = FetchSettings()
+    journeydb: JourneyDbOptions = JourneyDbOptions()
+    vggface2: FaceOptions = FaceOptions()
+    coco: CocoOptions = CocoOptions()
+    local: LocalOptions = LocalOptions()
+
+
+class VaeBuild(Section):
+    """A small AutoencoderKL built and trained locally (demo)."""
+
+    block_out_channels: list[int] = [32, 64]
+    layers_per_block: int = 1
+    latent_channels: int = 4
+    train_steps: int = Field(400, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    kl_weight: float = Field(1e-6, ge=0)
+
+
+class TextEncoderBuild(Section):
+    """A tiny random CLIP text encoder + a tokenizer whose vocabulary covers the demo words."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 77
+
+
+class UNetSpec(Section):
+    """The keys of ``UNet2DConditionModel``'s config that this project sets."""
+
+    sample_size: int = 64
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: list[int] = [320, 640, 1280, 1280]
+    layers_per_block: int = 2
+    down_block_types: list[str] = [
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    ]
+    up_block_types: list[str] = [
+        "UpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+    ]
+    cross_attention_dim: int = 768
+    attention_head_dim: int = 8
+    norm_num_groups: int = 32
+
+    @model_validator(mode="after")
+    def _block_lists_match(self) -> UNetSpec:
+        n = len(self.block_out_channels)
+        if len(self.down_block_types) != n or len(self.up_block_types) != n:
+            raise ValueError(
+                f"down_block_types ({len(self.down_block_types)}) and up_block_types "
+                f"({len(self.up_block_types)}) must each have one entry per block_out_channels ({n})"
+            )
+        return self
+
+
+class NoiseSchedule(Section):
+    """DDPM training schedule (the reference run: scaled_linear 0.00085 → 0.012, 1000 steps)."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    beta_schedule: Literal["scaled_linear", "linear"] = "scaled_linear"
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    rescale_betas_zero_snr: bool = False
+    """Zero terminal SNR (Lin et al. 2023); needs v_prediction. Sampling then starts at t = T."""
+
+    @model_validator(mode="after")
+    def _zero_snr_needs_v(self) -> NoiseSchedule:
+        if self.rescale_betas_zero_snr and self.prediction_type != "v_prediction":
+            raise ValueError("rescale_betas_zero_snr needs prediction_type v_prediction (ε is undefined at SNR 0)")
+        return self
+
+
+class Models(Section):
+    """Where the frozen VAE / text encoder come from, and the UNet architecture."""
+
+    source: Literal["build", "pretrained"] = "build"
+    vae: str = "stabilityai/sd-vae-ft-mse"
+    text_encoder: str = "openai/clip-vit-large-patch14"
+    vae_build: VaeBuild = VaeBuild()
+    text_encoder_build: TextEncoderBuild = TextEncoderBuild()
+    unet: UNetSpec = UNetSpec()
+    noise: NoiseSchedule = NoiseSchedule()
+    seed: int = 0
+
+
+class Encode(Section):
+    """VAE latent encoding of fetched shards: one latent shard per input tar."""
+
+    batch_size: int = Field(16, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    resolution: int = Field(512, ge=8)
+    """Pixel size the VAE encodes (the UNet's sample_size × the VAE's downsampling factor)."""
+    wrong_size: Literal["resize", "skip"] = "resize"
+    """An image that is not ``resolution``² is resized (shorter side) and centre-cropped, or skipped."""
+    decode_workers: int = Field(4, ge=1)
+    """Threads decoding and resizing JPEGs (OpenCV releases the GIL)."""
+    prefetch_shards: int = Field(2, ge=0)
+    """Input tars read ahead of the one being decoded (downloaded ahead when the input is s3://)."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bf16 autocast on CUDA; the CPU always encodes in fp32."""
+    channels_last: bool = True
+    """channels_last VAE and inputs on CUDA."""
+    compile: bool = False
+    """``torch.compile`` the VAE encoder (CUDA; batches are padded to ``batch_size``: one graph)."""
+
+
+class Train(Section):
+    """Optimisation settings shared by every phase."""
+
+    seed: int = 0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    noise_offset: float = Field(0.0, ge=0)
+    """Per-channel noise offset (diffusers ``--noise_offset``; 0 = off)."""
+    ema_decay: float = Field(0.9999, gt=0, lt=1)
+    save_steps: int = Field(0, ge=0)
+    """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""
+    keep_last: int = Field(2, ge=1)
+    """Retention: the newest K checkpoints of a phase's run are kept ..."""
+    keep_every: int = Field(0, ge=0)
+    """... plus every checkpoint whose step is a multiple of N (0: none) ..."""
+    keep_best: bool = True
+    """... plus the one with the lowest mean training loss since the previous checkpoint."""
+    checkpoint_s3: str | None = None
+    """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
+    resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
+    log_every: int = Field(10, ge=1)
+    validation_every: int = Field(0, ge=0)
+    """Every N optimizer steps (0: never) sample the first ``validation_prompts`` eval prompts with the
+    EMA weights and log a captioned grid to MLflow as ``validation/step-NNNNNNNN.png``."""
+    validation_prompts: int = Field(4, ge=1)
+    progress_bar: bool = True
+    """tqdm bar with ETA on the main rank."""
+    nproc_per_node: int = Field(1, ge=1)
+    """Processes (GPUs) per node; > 1 (or nnodes > 1) makes the stage launch ``torchrun``."""
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the rendezvous (required when nnodes > 1)."""
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bf16 autocast on CUDA; CPU always trains in fp32."""
+    tf32: bool = True
+    """Allow TF32 matmuls/convolutions on CUDA."""
+    text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"
+    """The frozen text encoder's dtype on CUDA (CPU: fp32)."""
+    ema_device: Literal["model", "cpu"] = "model"
+    """Where the EMA weights live: with the model (GPU), or on CPU to save GPU memory."""
+    ema_update_every: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
+    gradient_checkpointing: bool = False
+    channels_last: bool = False
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> Train:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("train.nnodes > 1 needs train.rdzv_endpoint ('host:port' of node 0)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
+        return self
+
+
+class Phase(Section):
+    """One training phase: its data mix and hyper-parameters."""
+
+    description: str = ""
+    init_from: str = SCRATCH
+    init_weights: Literal["ema", "live"] = "ema"
+    init_path: str | None = None
+    """Optional foreign weights to start from instead (a ``.safetensors``/``.pt`` state dict, e.g. the
+    reference run's checkpoint); wrapper prefixes (``module.``, ``_orig_mod.``, ``unet.``,
+    ``_fsdp_wrapped_module.``) are stripped and the keys must match ``models.unet``."""
+    mix: dict[str, StrictInt | float]
+    """source name → fraction of the phase's samples (decimals summing to 1, e.g. ``0.6``) or a sample
+    count (integers, e.g. ``150000``; then ``samples`` must equal their sum). One mix uses one kind."""
+    samples: int = Field(ge=1)
+    """Samples in the phase's index (one epoch)."""
+    with_replacement: bool = False
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    cfg_dropout: float = Field(0.1, ge=0, lt=1)
+    min_snr_gamma: float | None = Field(5.0, gt=0)
+    batch_size: int = Field(24, ge=1)
+    grad_accum: int = Field(1, ge=1)
+
+    @property
+    def mix_is_counts(self) -> bool:
+        """True when ``mix`` gives sample counts rather than fractions."""
+        return all(isinstance(v, int) for v in self.mix.values())
+
+    @field_validator("mix")
+    @classmethod
+    def _fractions_or_counts(cls, mix: dict[str, int | float]) -> dict[str, int | float]:
+        if not mix:
+            raise ValueError("a phase needs at least one source in its mix")
+        kinds = {isinstance(v, int) for v in mix.values()}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"mix values must be all fractions (decimals such as 0.6) or all sample counts "
+                f"(integers such as 150000), not both; got {mix}"
+            )
+        if kinds == {True}:
+            if any(n < 1 for n in mix.values()):
+                raise ValueError(f"mix counts must be >= 1; got {mix}")
+            return mix
+        if any(f <= 0 for f in mix.values()):
+            raise ValueError(f"mix fractions must be > 0; got {mix}")
+        total = sum(mix.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"mix fractions must sum to 1; they sum to {total:.6g}: {mix}")
+        return mix
+
+    @model_validator(mode="after")
+    def _counts_match_samples(self) -> Phase:
+        if self.mix_is_counts and sum(self.mix.values()) != self.samples:
+            raise ValueError(
+                f"mix: the counts sum to {sum(self.mix.values())} but samples is {self.samples}; make them "
+                f"agree (fractions are written with a decimal point, e.g. 1.0): {self.mix}"
+            )
+        return self
+
+
+class CategorySampling(Section):
+    """Per-category overrides of the eval sampler settings (unset: ``eval.steps`` / ``eval.guidance_scale``)."""
+
+    steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=1)
+
+
+class Fid(Section):
+    """FID of the eval images against local reference images, with a local Inception (TorchScript)."""
+
+    inception_path: str | None = None
+    """NVlabs ``pt_inception-2015-12-05`` TorchScript file (called as ``model(x, return_features=True)``
+    on N×3×H×W floats in 0..255); null: FID skipped."""
+    reference_dir: str | None = None
+    """Folder of reference images (png/jpg/webp, searched recursively); null: FID skipped."""
+    max_reference_images: int = Field(10_000, ge=2)
+
+
+GUIDANCE_WARN_ABOVE = 9.0
+"""CFG above this over-saturates SD1.x samples (the reference run used 7.5 for scenes, 8.5 for people)."""
+
+
+class Eval(Section):
+    """Fixed prompts by category and sampler settings for the per-phase eval grid and its metrics."""
+
+    prompts: dict[str, list[str]]
+    """category → prompts. A plain list is one category, ``all`` (the demo's colour/shape probe prompts)."""
+    negative_prompt: str = ""
+    steps: int = Field(100, ge=1)
+    guidance_scale: float = Field(7.5, ge=1)
+    sampling: dict[str, CategorySampling] = {}
+    """category → steps / guidance_scale for that category (others use the two values above)."""
+    seed: int = 1234
+    """Prompt ``i`` of a category is sampled with seed ``seed + i``, in every phase."""
+    columns: int = Field(4, ge=1)
+    batch_size: int = Field(8, ge=1)
+    clip_model_path: str | None = None
+    """Local folder of a transformers ``CLIPModel`` + processor (e.g. openai/clip-vit-large-patch14
+    saved with ``save_pretrained``); null: CLIP score skipped."""
+    fid: Fid = Fid()
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _list_is_one_category(cls, prompts: object) -> object:
+        return {"all": prompts} if isinstance(prompts, list) else prompts
+
+    @field_validator("prompts")
+    @classmethod
+    def _non_empty(cls, prompts: dict[str, list[str]]) -> dict[str, list[str]]:
+        if not prompts:
+            raise ValueError("needs at least one category of prompts")
+        empty = sorted(name for name, texts in prompts.items() if not texts)
+        if empty:
+            raise ValueError(f"categories without prompts: {empty}")
+        bad = sorted(name for name in prompts if not re.fullmatch(r"[A-Za-z0-9_-]+", name))
+        if bad:
+            raise ValueError(f"category names must be letters, digits, '_' or '-' (they name files); got {bad}")
+        return prompts
+
+    @model_validator(mode="after")
+    def _sampling_names_categories(self) -> Eval:
+        unknown = sorted(set(self.sampling) - set(self.prompts))
+        if unknown:
+            raise ValueError(f"sampling: unknown categor(ies) {unknown}; defined under 'prompts': {list(self.prompts)}")
+        for name in self.prompts:
+            guidance = self.settings(name)[1]
+            if guidance > GUIDANCE_WARN_ABOVE:
+                log.warning(
+                    "eval: category %r samples with guidance_scale %.1f > %.0f (over-saturated SD1.x images; "
+                    "the reference run used 7.5 for scenes, 8.5 for people)",
+                    name,
+                    guidance,
+                    GUIDANCE_WARN_ABOVE,
+                )
+        return self
+
+    @property
+    def all_prompts(self) -> list[str]:
+        """Every prompt, category by category, in file order."""
+        return [p for texts in self.prompts.values() for p in texts]
+
+    def settings(self, category: str) -> tuple[int, float]:
+        """``(steps, guidance_scale)`` for ``category``."""
+        over = self.sampling.get(category, CategorySampling())
+        steps = self.steps if over.steps is None else over.steps
+        return steps, self.guidance_scale if over.guidance_scale is None else over.guidance_scale
+
+
+class Params(Section):
+    """The whole ``params.yaml``."""
+
+    paths: Paths
+    tracking: Tracking = Tracking()
+    storage: Storage = Storage()
+    demo: DemoData
+    sources: dict[str, Source]
+    models: Models
+    encode: Encode = Encode()
+    train: Train = Train()
+    phases: dict[str, Phase]
+    eval: Eval
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> Params:
+        for name, phase in self.phases.items():
+            unknown = sorted(set(phase.mix) - set(self.sources))
+            if unknown:
+                raise ValueError(
+                    f"phases.{name}.mix: unknown source(s) {unknown}; defined under 'sources': {sorted(self.sources)}"
+                )
+        earlier: list[str] = []
+        for name, phase in self.phases.items():
+            if phase.init_from != SCRATCH and phase.init_from not in earlier:
+                raise ValueError(
+                    f"phases.{name}.init_from: must be '{SCRATCH}' or an earlier phase "
+                    f"{earlier}; got '{phase.init_from}'"
+                )
+            earlier.append(name)
+        return self
+
+    def phase_names(self) -> list[str]:
+        """Phases in declaration order."""
+        return list(self.phases)
+
+
+def _format_error(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{origin}: {key}: {msg}{got_text}")
+    return "\n".join(lines)
+
+
+def parse_params(data: dict, origin: str = "params") -> Params:
+    """Validate an already-loaded params dict; raise :class:`ConfigError` naming every bad key."""
+    try:
+        return Params.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, origin)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Load and validate ``params.yaml``; raise :class:`ConfigError` naming every bad key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: params file not found (run from the repo root or pass --params)")
+    with path.open() as fh:
+        data = yaml.safe_load(fh) or {}
+    return parse_params(data, origin=str(path))

@@ -1,0 +1,102 @@
+"""Load a phase checkpoint + frozen models from disk and sample images (eval grid, ``sdforge generate``)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from model.sampler import ddim_from_training, decode_to_uint8, encode_prompts, latent_shape_for, sample_latents
+from sdforge.io import InputError
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """CUDA, then Apple MPS, then CPU — or exactly what was requested."""
+    if requested != "auto":
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+@dataclass
+class Pipeline:
+    """The pieces a sampler needs, loaded with ``from_pretrained`` from local directories."""
+
+    unet: object
+    vae: object
+    text_encoder: object
+    tokenizer: object
+    train_scheduler_config: dict
+    checkpoint_hash: str
+
+
+def checkpoint_hash(weights_dir: Path) -> str:
+    """Short sha256 of a checkpoint's weight files (stamped into generated PNGs)."""
+    h = hashlib.sha256()
+    for f in sorted(weights_dir.rglob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto") -> Pipeline:
+    """UNet from ``checkpoint_dir/unet_ema`` (or ``unet``), frozen VAE/text encoder/tokenizer from ``models_dir``."""
+    weights = checkpoint_dir / ("unet_ema" if use_ema else "unet")
+    if not (weights / "config.json").is_file():
+        raise InputError(f"{weights}: no UNet weights there (is {checkpoint_dir} a phase checkpoint?)")
+    for sub in ("vae", "text_encoder", "tokenizer", "scheduler"):
+        if not (models_dir / sub).is_dir():
+            raise InputError(f"{models_dir / sub}: missing (run `dvc repro prepare_models`)")
+    dev = pick_device(device)
+    return Pipeline(
+        unet=UNet2DConditionModel.from_pretrained(weights).to(dev).eval(),
+        vae=AutoencoderKL.from_pretrained(models_dir / "vae").to(dev).eval(),
+        text_encoder=CLIPTextModel.from_pretrained(models_dir / "text_encoder").to(dev).eval(),
+        tokenizer=CLIPTokenizer.from_pretrained(models_dir / "tokenizer"),
+        train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
+        checkpoint_hash=checkpoint_hash(weights),
+    )
+
+
+def generate(
+    pipe: Pipeline,
+    prompts: list[str],
+    *,
+    negative_prompt: str = "",
+    steps: int,
+    guidance_scale: float,
+    seeds: list[int],
+    batch_size: int = 8,
+) -> list[np.ndarray]:
+    """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``."""
+    device = next(pipe.unet.parameters()).device
+    scheduler = ddim_from_training(pipe.train_scheduler_config)
+    shape = latent_shape_for(pipe.unet, pipe.vae)
+    uncond = encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device)
+    images: list[np.ndarray] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        cond = encode_prompts(pipe.tokenizer, pipe.text_encoder, chunk, device)
+        gens = [torch.Generator().manual_seed(s) for s in seeds[start : start + batch_size]]
+        latents = sample_latents(
+            pipe.unet,
+            scheduler,
+            cond,
+            uncond,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            latent_shape=shape,
+            generators=gens,
+        )
+        images.extend(decode_to_uint8(pipe.vae, latents).numpy())
+    return images

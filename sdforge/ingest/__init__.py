@@ -1,0 +1,1 @@
+"""From source files or URLs to WebDataset shards: source adapters, fetching, re-sharding, tar reading."""

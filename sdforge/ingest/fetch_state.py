@@ -1,0 +1,83 @@
+"""Kill-safe fetching: the fingerprint of what a shard folder was fetched from, and the folder prepared
+for a rerun (finished shards kept when the fingerprint matches, else emptied). See ``docs/FETCH.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from sdforge.config import FetchSettings
+from sdforge.ingest import shards
+from sdforge.io import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+FINGERPRINT_FILE = ".fetch-fingerprint"
+"""Inside the output folder, so it travels with the shards (DVC cache, checkout). Not ``*.json``:
+img2dataset's incremental mode reads every ``*.json`` of the folder as a shard's stats."""
+FINGERPRINT_VERSION = 1
+OUTPUT_SETTINGS = (
+    "image_size",
+    "resize_mode",
+    "shard_size",
+    "encode_quality",
+    "allow_networks",
+    "max_image_pixels",
+    "user_agent_token",
+)
+"""The fetch settings that change what a finished shard holds (processes, threads, distributor,
+timeout, retries and the success-rate warning do not; changing them resumes)."""
+
+
+def archive_listing(metadata_dir: Path) -> str:
+    """SHA-256 of the sorted (relative path, size) of every file under ``metadata_dir``.
+
+    The local kinds read their images from these files; downloads are immutable per name, so a
+    name or size change is what marks different inputs (mtimes change on every DVC checkout).
+    """
+    digest = hashlib.sha256()
+    for path in sorted(p for p in metadata_dir.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(metadata_dir).as_posix()}\0{path.stat().st_size}\n".encode())
+    return digest.hexdigest()
+
+
+def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = None) -> str:
+    """The fingerprint text of fetching ``filtered`` with ``fetch``: its SHA-256 and :data:`OUTPUT_SETTINGS`
+    (plus, for the local kinds, the :func:`archive_listing` of the files the images come from)."""
+    digest = hashlib.sha256()
+    with open(filtered, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    settings = {key: getattr(fetch, key) for key in OUTPUT_SETTINGS}
+    settings["allow_networks"] = sorted(settings["allow_networks"])
+    doc = {"version": FINGERPRINT_VERSION, "filtered_sha256": digest.hexdigest(), "settings": settings}
+    if archives is not None:
+        doc["archives_sha256"] = archives
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def prepare_out_dir(out_dir: Path, fingerprint_text: str) -> bool:
+    """Keep ``out_dir``'s finished shards when its fingerprint matches (return True), else empty it.
+
+    Either way ``out_dir`` then holds the fingerprint and only finished shards.
+    """
+    path = out_dir / FINGERPRINT_FILE
+    if path.is_file() and path.read_text() == fingerprint_text:
+        removed = shards.discard_unfinished(out_dir, keep={FINGERPRINT_FILE})
+        log.info(
+            "resuming the fetch in %s: %d finished shards kept, removed %s",
+            out_dir,
+            len(shards.finished_shards(out_dir)),
+            removed or "nothing",
+        )
+        return True
+    if out_dir.exists():
+        log.info("%s was fetched from other inputs or settings (or not by this stage): emptying it", out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    atomic_write_bytes(path, fingerprint_text.encode())
+    return False

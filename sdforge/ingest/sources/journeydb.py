@@ -1,0 +1,111 @@
+"""JourneyDB (``JourneyDB/JourneyDB``): tar.gz archives of Midjourney JPEGs + an annotation JSONL.
+
+Layout: ``data/train/imgs/NNN.tgz`` holding ``NNN/<hash>.jpg``, and
+``data/train/train_anno_realease_repath.jsonl.tgz`` holding one ``.jsonl`` whose lines are
+``{"img_path": "./NNN/<hash>.jpg", "prompt": ..., "Task2": {"Caption": ...}, ...}``. A plain
+``*.jsonl`` is read as well. An ``img_path`` folder ``NNN`` names the archive ``NNN.tgz`` (any
+folder under the source; ``.tar.gz``/``.tar`` too). Row: ``archive`` = that archive, ``member`` =
+``NNN/<hash>.jpg``, ``caption`` = ``prompt`` or ``Task2.Caption`` (``journeydb.caption``),
+``meta`` = ``{prompt, task2_caption}``.
+
+Drops, in this order: ``bad_record`` (not a JSON object, no string ``img_path``), ``unsafe_member``
+(absolute or ``..`` path), ``missing`` (its archive was not downloaded), ``no_caption`` (the chosen
+text is null/missing/not a string), ``duplicate`` (``img_path`` repeated; first kept). Image sizes
+are unknown here: ``filter.min_width``/``min_height`` are applied when re-sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from sdforge.config import FilterRules, JourneyDbOptions
+from sdforge.ingest.sources.rows import DropCounter, row, safe_member, write_rows
+from sdforge.io import InputError
+
+REASONS = ("bad_record", "unsafe_member", "missing", "no_caption", "duplicate")
+ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
+ANNOTATION_SUFFIXES = (".jsonl", ".jsonl.tgz", ".jsonl.tar.gz", ".jsonl.tar")
+
+
+def _strip(name: str, suffixes: tuple[str, ...]) -> str | None:
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def find_files(in_dir: Path) -> tuple[list[Path], dict[str, str]]:
+    """Annotation files (sorted) and image archives by stem (``{"000": "data/train/imgs/000.tgz"}``)."""
+    annotations, archives = [], {}
+    for path in sorted(p for p in in_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(in_dir).as_posix()
+        if _strip(path.name, ANNOTATION_SUFFIXES) is not None:
+            annotations.append(path)
+        elif (stem := _strip(path.name, ARCHIVE_SUFFIXES)) is not None:
+            if stem in archives:
+                raise InputError(f"{in_dir}: two image archives named {stem!r}: {archives[stem]} and {rel}")
+            archives[stem] = rel
+    if not annotations:
+        raise InputError(f"no annotation *.jsonl / *.jsonl.tgz under {in_dir} (run download_metadata first)")
+    return annotations, archives
+
+
+def annotation_lines(path: Path) -> Iterator[bytes]:
+    """The non-blank lines of a ``.jsonl``, or of every regular ``.jsonl`` member of a (gzipped) tar."""
+    if path.name.endswith(".jsonl"):
+        with path.open("rb") as fh:
+            yield from (line for line in fh if line.strip())
+        return
+    try:
+        with tarfile.open(path, "r|*") as tar:
+            for info in tar:
+                if info.isreg() and info.name.endswith(".jsonl"):
+                    fh = tar.extractfile(info)
+                    assert fh is not None
+                    yield from (line for line in fh if line.strip())
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise InputError(f"{path}: unreadable annotation archive ({type(err).__name__}: {err})") from None
+
+
+def parse_record(line: bytes) -> dict | None:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("img_path"), str) else None
+
+
+def filter_journeydb(in_dir: Path, out_file: Path, options: JourneyDbOptions, rules: FilterRules) -> dict[str, int]:
+    """One row per annotation line whose image archive is present, with the chosen caption."""
+    annotations, archives = find_files(in_dir)
+    drops, rows, kept, rows_in = DropCounter(REASONS), [], set(), 0
+    for path in annotations:
+        for line in annotation_lines(path):
+            rows_in += 1
+            record = parse_record(line)
+            if record is None:
+                drops.drop("bad_record")
+                continue
+            member = safe_member(record["img_path"])
+            if member is None:
+                drops.drop("unsafe_member")
+                continue
+            folder = member.split("/", 1)[0] if "/" in member else None
+            task2 = record.get("Task2") if isinstance(record.get("Task2"), dict) else {}
+            prompt, description = record.get("prompt"), task2.get("Caption")
+            caption = prompt if options.caption == "prompt" else description
+            if folder not in archives:
+                drops.drop("missing")
+            elif not isinstance(caption, str):
+                drops.drop("no_caption")
+            elif member in kept:
+                drops.drop("duplicate")
+            else:
+                kept.add(member)
+                meta = {"prompt": prompt, "task2_caption": description}
+                rows.append(row(archives[folder], member, caption, meta))
+    write_rows(rows, out_file, min_width=rules.min_width, min_height=rules.min_height)
+    return drops.metrics(files=len(annotations) + len(archives), rows_in=rows_in, rows_out=len(rows))

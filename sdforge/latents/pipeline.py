@@ -1,0 +1,302 @@
+"""The overlapped encode pipeline: input tars → decoded, resized images → token ids → VAE latents.
+
+Four stages run at once, joined by bounded queues (OpenCV, file reads, hashlib and torch release
+the GIL, so threads overlap)::
+
+    reader thread    streams each tar (sha256 on the fly; the next ``prefetch_shards`` tars are
+                     read ahead or downloaded), groups members by key and submits one decode
+                     job per 8 samples, in order, to
+    decode pool      ``decode_workers`` threads: imdecode, resize + centre crop, BGR→RGB
+    batcher thread   takes the jobs' results in submission order, tokenizes the captions
+                     (cached), stacks ``batch_size`` images into a uint8 tensor (pinned on CUDA)
+    caller's thread  uploads, encodes (bf16 autocast + channels_last on CUDA), keeps fp16 latents;
+                     yields one :class:`EncodedShard` per input tar
+
+Batches never span two tars and results are consumed in submission order, so the output does
+not depend on the number of workers, nor on which tars an interrupted run had finished.
+The input side (tar stream, decoding, tokenizing) is :mod:`sdforge.latents.inputs`, the read-ahead
+and S3 downloads :mod:`sdforge.latents.prefetch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from model.latents import encode_latents, uint8_to_model_range
+from sdforge.latents.inputs import Decoded, HashingReader, TarInput, Tokens, decode_chunk, iter_tar_groups
+from sdforge.latents.prefetch import Prefetcher
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_CHUNK = 8
+"""Samples per decode job."""
+_ROW_FIELDS = ("key", "caption", "width", "height", "original_width", "original_height", "resized")
+"""A row's fields taken from its :class:`~sdforge.latents.inputs.Decoded` sample (then ``truncated``)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the pipeline needs from ``Encode`` plus the resolved device and precision."""
+
+    batch_size: int
+    resolution: int
+    wrong_size: str = "resize"
+    decode_workers: int = 4
+    prefetch_shards: int = 2
+    device: str = "cpu"
+    bf16: bool = False
+    channels_last: bool = False
+    compile: bool = False
+
+
+@dataclass
+class EncodedShard:
+    """One input tar's output: fp16 latents (None if no sample survived), int32 token ids, rows, counts."""
+
+    tar: TarInput
+    sha256: str
+    latents: torch.Tensor | None
+    input_ids: torch.Tensor | None
+    rows: list[dict]
+    counts: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class _Batch:
+    images: torch.Tensor
+    input_ids: torch.Tensor
+    rows: list[dict]
+
+
+@dataclass
+class _TarEnd:
+    tar: TarInput
+    sha256: str
+    counts: Counter
+
+
+class _Failed:
+    def __init__(self, err: BaseException):
+        self.err = err
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get(q: queue.Queue, stop: threading.Event):
+    while True:
+        try:
+            item = q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                raise RuntimeError("encode pipeline stopped") from None
+            continue
+        if isinstance(item, _Failed):
+            raise item.err
+        return item
+
+
+def _thread(target: Callable, out: queue.Queue, stop: threading.Event, name: str) -> threading.Thread:
+    def body():
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 — handed to the consumer, which re-raises it
+            _put(out, _Failed(err), stop)
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def encode_shards(
+    tars: list[TarInput], vae, tokenizer, opts: Options, stats: Counter | None = None, tmp_dir: str | None = None
+) -> Iterator[EncodedShard]:
+    """Encode ``tars`` in order, one :class:`EncodedShard` per tar; ``stats`` gets seconds spent per stage.
+
+    ``stats["encode_seconds"]`` is the VAE's busy time on this thread, ``stats["wait_seconds"]`` the
+    time it waited for a batch (≈ 0 when decode keeps up).
+    """
+    stats = Counter() if stats is None else stats
+    if not tars:
+        return
+    feeder = _BatchFeeder(tars, tokenizer, opts, tmp_dir)
+    feeder.start()
+    try:  # a failing VAE set-up (device, compile) must stop the input threads too
+        encoder = _encoder(vae, opts, feeder.device)
+        yield from _encode_batches(feeder, encoder, stats)
+    finally:
+        feeder.close()
+
+
+def _encode_batches(
+    feeder: _BatchFeeder, encoder: Callable[[torch.Tensor], torch.Tensor], stats: Counter
+) -> Iterator[EncodedShard]:
+    """The caller's thread: encode each batch, yield a tar's :class:`EncodedShard` at its end marker."""
+    latents, ids, rows = [], [], []
+    while True:
+        t0 = time.perf_counter()
+        item = _get(feeder.batches, feeder.stop)
+        t1 = time.perf_counter()
+        stats["wait_seconds"] += t1 - t0
+        if isinstance(item, _Batch):
+            latents.append(encoder(item.images))
+            ids.append(item.input_ids)
+            rows += item.rows
+            stats["encode_seconds"] += time.perf_counter() - t1
+            stats["images"] += len(item.rows)
+            continue
+        shard_latents = torch.cat(latents).cpu() if latents else None
+        yield EncodedShard(item.tar, item.sha256, shard_latents, torch.cat(ids) if ids else None, rows, item.counts)
+        latents, ids, rows = [], [], []
+        if item.tar is feeder.tars[-1]:
+            return
+
+
+class _BatchFeeder:
+    """The reader thread, decode pool and batcher thread that fill ``batches`` for the encoder.
+
+    ``decoded`` holds decode jobs in submission order and a :class:`_TarEnd` after each tar; ``batches``
+    holds :class:`_Batch` es and the same markers. A failing thread puts :class:`_Failed` on its output.
+    """
+
+    def __init__(self, tars: list[TarInput], tokenizer, opts: Options, tmp_dir: str | None):
+        self.tars, self.opts = tars, opts
+        self.stop = threading.Event()
+        depth = max(2 * opts.batch_size // _CHUNK, 4 * opts.decode_workers)  # decode jobs in flight
+        self.decoded: queue.Queue = queue.Queue(maxsize=depth)
+        self.batches: queue.Queue = queue.Queue(maxsize=2)
+        self.pool = ThreadPoolExecutor(opts.decode_workers, thread_name_prefix="decode")
+        self.prefetch = Prefetcher(tars, opts.prefetch_shards, tmp_dir)
+        self.device = torch.device(opts.device)
+        self.tokens = Tokens(tokenizer)
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the reader and batcher threads."""
+        self.threads = [
+            _thread(self._read, self.decoded, self.stop, "encode-reader"),
+            _thread(self._batch, self.batches, self.stop, "encode-batcher"),
+        ]
+
+    def close(self) -> None:
+        """Stop both threads, cancel pending decode jobs, wait for everything, stop the prefetcher."""
+        self.stop.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for thread in self.threads:
+            thread.join()
+        self.prefetch.close()
+
+    def _read(self) -> None:
+        """Reader thread: each tar's samples as decode jobs of ``_CHUNK``, then its end marker."""
+        for i, tar in enumerate(self.tars):
+            local = self.prefetch.local_path(i)
+            counts, digest, chunk = Counter(), hashlib.sha256(), []
+            with open(local, "rb", buffering=1 << 20) as raw:
+                fh = HashingReader(raw, digest)
+                for sample in iter_tar_groups(fh, counts):
+                    chunk.append(sample)
+                    if len(chunk) == _CHUNK:
+                        if not self._submit(chunk):
+                            return
+                        chunk = []
+                fh.drain()
+            self.prefetch.done(local)
+            end = _TarEnd(tar, digest.hexdigest(), counts)
+            if (chunk and not self._submit(chunk)) or not _put(self.decoded, end, self.stop):
+                return
+
+    def _submit(self, chunk: list) -> bool:
+        """Queue a decode job for ``chunk``; False once stopped."""
+        job = self.pool.submit(decode_chunk, chunk, self.opts.resolution, self.opts.wrong_size)
+        return _put(self.decoded, job, self.stop)
+
+    def _batch(self) -> None:
+        """Batcher thread: decoded samples, in order, into batches that never span two tars."""
+        pending: list[Decoded] = []
+        tally = Counter()  # the tar's per-sample counts (skipped, resized, captions), kept off the VAE's thread
+        while True:
+            item = _get(self.decoded, self.stop)
+            if isinstance(item, _TarEnd):
+                if not self._end_tar(item, pending, tally) or item.tar is self.tars[-1]:
+                    return
+                pending, tally = [], Counter()
+            elif not self._add_samples(item.result(), pending, tally):
+                return
+
+    def _add_samples(self, samples: list[Decoded], pending: list[Decoded], tally: Counter) -> bool:
+        """Append decoded ``samples`` to ``pending``, putting each full batch; False once stopped."""
+        for sample in samples:
+            if sample.image is None:
+                tally[f"skipped_{sample.problem}"] += 1
+                log.warning("sample %s skipped: %s", sample.key, sample.problem)
+                continue
+            pending.append(sample)
+            if len(pending) == self.opts.batch_size:
+                if not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
+                    return False
+                pending.clear()  # _make_batch keeps no reference to the list
+        return True
+
+    def _end_tar(self, end: _TarEnd, pending: list[Decoded], tally: Counter) -> bool:
+        """Put the tar's last, short batch and then its end marker (with the tar's counts); False once stopped."""
+        if pending and not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
+            return False
+        end.counts.update(tally)
+        return _put(self.batches, end, self.stop)
+
+
+def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, counts: Counter) -> _Batch:
+    """Stack ``samples`` into a batch; add their resized / truncated / empty-caption counts to ``counts``."""
+    ids, truncated = tokens([s.caption for s in samples])
+    counts["resized"] += sum(s.resized for s in samples)
+    counts["captions_truncated"] += sum(truncated)
+    counts["captions_empty"] += sum(not s.caption.strip() for s in samples)
+    images = torch.from_numpy(np.stack([s.image for s in samples]))
+    if device.type == "cuda":
+        images = images.pin_memory()
+    rows = [
+        {**{f: getattr(s, f) for f in _ROW_FIELDS}, "truncated": t} for s, t in zip(samples, truncated, strict=True)
+    ]
+    return _Batch(images, ids, rows)
+
+
+def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``uint8 [B, H, W, 3]`` → fp16 latents on ``device`` (posterior mean × scaling factor)."""
+    cuda = device.type == "cuda"
+    channels_last = opts.channels_last and cuda
+    vae = vae.to(device).eval().requires_grad_(False)
+    if channels_last:
+        vae = vae.to(memory_format=torch.channels_last)
+    if opts.compile:
+        vae.encoder = torch.compile(vae.encoder, dynamic=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and opts.bf16 else contextlib.nullcontext()
+
+    def encode(images: torch.Tensor) -> torch.Tensor:
+        n = images.shape[0]
+        if opts.compile and n < opts.batch_size:  # one static shape: no recompile for a tar's last batch
+            images = torch.cat([images, images.new_zeros((opts.batch_size - n, *images.shape[1:]))])
+        x = uint8_to_model_range(images.to(device, non_blocking=True), channels_last)
+        with torch.inference_mode(), autocast:
+            return encode_latents(vae, x)[:n].to(torch.float16)
+
+    return encode

@@ -1,0 +1,101 @@
+"""MLflow tracking for stages: one parent run per phase (or ``data``), a child run per stage.
+
+The tracking URI is ``MLFLOW_TRACKING_URI`` when set (a server, in the full stack), else
+``tracking.mlflow_uri`` from params (a git-ignored SQLite file by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from sdforge.config import Tracking
+
+log = logging.getLogger(__name__)
+
+PARENT_TAG = "sdforge.parent"
+STAGE_TAG = "sdforge.stage"
+
+# Keys whose values never go to MLflow (credentials in params or env must not leak).
+_SECRET_MARKERS = ("secret", "password", "token", "credential", "access_key")
+
+
+def tracking_uri(cfg: Tracking) -> str:
+    """The MLflow tracking URI in force."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow_uri
+
+
+def _parent_run_id(client: Any, experiment_id: str, parent: str) -> str:
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status != 'DELETED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if runs:
+        return runs[0].info.run_id
+    run = client.create_run(experiment_id, run_name=parent, tags={PARENT_TAG: parent})
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts to dotted keys, dropping secret-looking keys."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if any(m in key.lower() for m in _SECRET_MARKERS):
+            continue
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+@contextlib.contextmanager
+def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | None = None) -> Iterator[Any]:
+    """Open an MLflow child run named ``stage`` under the parent run ``parent``.
+
+    Yields the ``mlflow`` module with the run active, so callers use ``mlflow.log_metric`` etc.
+    """
+    # lazy: mlflow (~2 s); flows and tests import this module without logging
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    with _env_untouched("MLFLOW_TRACKING_URI"):  # mlflow.set_tracking_uri also exports it to the env
+        mlflow.set_tracking_uri(uri)
+        experiment = mlflow.set_experiment(cfg.experiment)
+        client = mlflow.MlflowClient()
+        parent_id = _parent_run_id(client, experiment.experiment_id, parent)
+        with mlflow.start_run(run_id=parent_id):
+            with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
+                if params:
+                    flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
+                    mlflow.log_params(flat)
+                log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, uri)
+                yield mlflow
+
+
+@contextlib.contextmanager
+def _env_untouched(name: str) -> Iterator[None]:
+    """Restore environment variable ``name`` on exit: a stage must not redirect later stages' tracking."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def log_stage(cfg: Tracking, parent: str, stage: str, metrics: dict[str, Any], params: dict[str, Any] | None = None):
+    """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run."""
+    with stage_run(cfg, parent, stage, params) as mlflow:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        mlflow.log_text(json.dumps(metrics, indent=2, sort_keys=True, default=str), f"{stage.split('@')[0]}.json")

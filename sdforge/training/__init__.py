@@ -1,0 +1,1 @@
+"""One phase of UNet training: the trainer, checkpoints (local and S3), resume, DDP, launch, validation."""

@@ -1,0 +1,72 @@
+"""A phase's run directory and exported weights: the input fingerprint that decides whether a run dir
+may be resumed, and the ``unet/``, ``unet_ema/``, ``state.json`` output of ``train@<phase>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from sdforge.io import write_json
+from sdforge.training.trainer import LOSS_TAIL, Trainer
+
+log = logging.getLogger(__name__)
+
+NOT_TRAINING = {"validation_every", "validation_prompts"}
+"""``train`` settings that do not change the weights: changing them keeps a run's checkpoints resumable."""
+
+
+
+def fingerprint(*files_or_dirs: Path, extra: dict) -> str:
+    """Hash of the phase's inputs: a run dir from other inputs is stale and must not be resumed."""
+    h = hashlib.sha256(json.dumps(extra, sort_keys=True, default=str).encode())
+    for root in files_or_dirs:
+        for f in sorted([root] if root.is_file() else root.rglob("*")):
+            if f.is_file():
+                h.update(f.relative_to(root.parent).as_posix().encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def prepare_run_dir(run_dir: Path, fp: str, is_main: bool) -> None:
+    """Start ``run_dir`` afresh (main rank) unless its stamp says it holds a run from the same inputs."""
+    stamp = run_dir / "fingerprint.txt"
+    if is_main:
+        if run_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != fp):
+            log.warning("%s holds a run from other inputs; starting this phase afresh", run_dir)
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(fp + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:
+    """Write ``unet/`` (live), ``unet_ema/`` and ``state.json`` — the phase's DVC output."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    tr.unet.save_pretrained(out_dir / "unet", safe_serialization=True)
+    tr.ema.store(tr.unet.parameters())
+    tr.ema.copy_to(tr.unet.parameters())
+    tr.unet.save_pretrained(out_dir / "unet_ema", safe_serialization=True)
+    tr.ema.restore(tr.unet.parameters())
+    write_json(
+        out_dir / "state.json",
+        {
+            "phase": tr.phase_name,
+            "step": tr.progress.step,
+            "epochs": tr.progress.epoch,
+            "final_loss": final_loss,
+        },
+    )
+
+
+def tail_mean(values: list[float], n: int = LOSS_TAIL) -> float | None:
+    """The mean of the last ``n`` values (rounded), None when there are none."""
+    tail = values[-n:]
+    return round(sum(tail) / len(tail), 6) if tail else None

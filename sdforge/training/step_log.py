@@ -1,0 +1,92 @@
+"""What a training run reports while it runs (main rank): MLflow step metrics, validation images, a
+progress bar with ETA, and the phase's final figures.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sdforge.config import Params
+from sdforge.eval.grid import captioned_grid
+from sdforge.tracking import stage_run
+from sdforge.training.trainer import Trainer
+from sdforge.training.validation import Validator
+
+STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s")
+"""Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
+
+
+class StepLogger:
+    """MLflow step metrics (main rank only), a progress bar with ETA, and the phase's final report.
+
+    Every ``train.log_every`` optimizer steps it logs the window's means of ``loss``, ``grad_norm``,
+    ``step_time_s`` and ``data_wait_s`` (time blocked on the loader), the current ``lr``,
+    ``samples_per_s`` (all ranks: window samples × world ÷ window seconds) and, on CUDA,
+    ``gpu_mem_max_allocated_gb`` (the peak since the previous log).
+    """
+
+    def __init__(self, params: Params, phase_name: str, tr: Trainer):
+        self.every = params.train.log_every
+        self.validator = Validator(params, tr) if params.train.validation_every else None
+        self.tr = tr
+        self.losses: list[float] = []
+        self.window: list[dict] = []
+        self.world = tr.dist.world
+        self.cuda = tr.dist.device if tr.dist.device.type == "cuda" else None
+        self._ctx = stage_run(
+            params.tracking,
+            phase_name,
+            "train",
+            {
+                "phase": params.phases[phase_name].model_dump(),
+                "train": params.train.model_dump(),
+                "unet": params.models.unet.model_dump(),
+                "run": {"world": tr.dist.world, "total_steps": tr.total_steps, "device": str(tr.dist.device)},
+            },
+        )
+        self.mlflow = self._ctx.__enter__()
+        self.bar = tqdm(
+            total=tr.total_steps,
+            initial=tr.progress.step,
+            desc=f"train@{phase_name}",
+            unit="step",
+            disable=not params.train.progress_bar or os.environ.get("SDFORGE_PROGRESS", "1") == "0",
+        )
+
+    def log(self, step: int, stats: dict) -> None:
+        self.losses.append(stats["loss"])
+        self.window.append(stats)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats['loss']:.4f}")
+        if self.validator and self.validator.due(step):
+            self._log_validation(step)
+        if step % self.every:
+            return
+        n, seconds = len(self.window), sum(s["step_time_s"] for s in self.window)
+        metrics = {k: sum(s[k] for s in self.window) / n for k in ("loss", "grad_norm", "step_time_s", "data_wait_s")}
+        metrics["lr"] = stats["lr"]
+        metrics["samples_per_s"] = sum(s["samples"] for s in self.window) * self.world / max(seconds, 1e-9)
+        if self.cuda is not None:
+            metrics["gpu_mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.cuda) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+        self.mlflow.log_metrics(metrics, step=step)
+        self.window = []
+
+    def _log_validation(self, step: int) -> None:
+        images = self.validator.images(self.tr)
+        grid = captioned_grid(images, self.validator.prompts, columns=len(images))
+        self.mlflow.log_image(grid, artifact_file=f"validation/step-{step:08d}.png")
+
+    def finish(self, metrics: dict, out_dir: Path) -> None:
+        # whole-run figures; names shared with the step series get a ``run_`` prefix (one series, one meaning)
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        self.mlflow.log_metrics({f"run_{k}" if k in STEP_METRICS else k: v for k, v in numeric.items()})
+        self.mlflow.set_tag("checkpoint", str(out_dir.resolve()))
+
+    def close(self) -> None:
+        self.bar.close()
+        self._ctx.__exit__(None, None, None)

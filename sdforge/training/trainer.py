@@ -1,0 +1,331 @@
+"""The training job of one phase: model, optimizer, LR schedule, EMA, data, and the step loop.
+
+Everything needed to continue bit-exactly is in :meth:`Trainer.state` (saved with the live
+weights in each checkpoint); the data order is a pure function of (seed, epoch, rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from safetensors.torch import load_file
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denoising_loss, optimizer_steps
+from model.sampler import encode_prompts
+from sdforge.config import SCRATCH, Params, Phase, Train
+from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches
+from sdforge.training.checkpoints import Progress, Retention, capture_rng, restore_rng, save_checkpoint
+from sdforge.training.distributed import Dist, sample_generators
+from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
+from sdforge.training.unet_init import load_foreign_weights, load_init_unet
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """The phase's model, optimizer, schedule, EMA and data, with checkpoint save/restore."""
+
+    def __init__(self, params: Params, phase_name: str, dist: Dist):
+        self.params, self.phase_name, self.dist = params, phase_name, dist
+        self.phase: Phase = params.phases[phase_name]
+        self.cfg: Train = params.train
+        paths, models = params.paths, Path(params.paths.models)
+        _allow_tf32(dist.device, self.cfg.tf32)
+        self.data = LatentIndexDataset(Path(paths.mixes) / f"{phase_name}.parquet", Path(paths.latents))
+        self._load_conditioning(models)
+        self.unet = _load_phase_unet(params, self.phase, dist.device)
+        self.model = _wrap_ddp(self.unet, dist)
+        self._build_schedule()
+        self.ema, self.ema_device = _build_ema(self.unet, self.cfg, dist.device)
+        # Same state on every rank: per-sample streams are split off it
+        # (sdforge.training.distributed.sample_generators).
+        self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
+        self.progress = Progress()
+        self.loss_history: list[float] = []  # a resumed run's last losses before the checkpoint
+
+    def _load_conditioning(self, models: Path) -> None:
+        """The noise scheduler, tokenizer, frozen text encoder and the empty prompt's embedding."""
+        device = self.dist.device
+        self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
+        self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
+        self.text_encoder = _frozen_text_encoder(models, device, self.cfg.text_encoder_dtype)
+        self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
+
+    def _build_schedule(self) -> None:
+        """The optimizer, the step counts of this phase and its LR schedule."""
+        phase, world = self.phase, self.dist.world
+        self.optimizer = _adamw(self.unet.parameters(), phase.lr, self.cfg, self.dist.device)
+        self.batches_per_epoch = batches_per_epoch(len(self.data), world, phase.batch_size)
+        self.total_steps = optimizer_steps(len(self.data) // world, phase.batch_size, phase.grad_accum, phase.epochs)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps)
+
+    # -- checkpoint state ------------------------------------------------------------------
+    def state(self) -> dict:
+        """Everything besides the live weights and the per-rank RNG needed to continue bit-exactly."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "ema": self.ema.state_dict(),
+        }
+
+    def restore(self, ckpt: Path, state: dict) -> None:
+        """Load live weights, ``state`` and this rank's RNG (``state["rng"]``) from a checkpoint."""
+        loaded = UNet2DConditionModel.from_pretrained(ckpt / "unet")
+        self.unet.load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.ema.load_state_dict(state["ema"])
+        self.ema.to(getattr(self, "ema_device", self.dist.device))
+        restore_rng(state["rng"], self.generator, self.dist.device)
+        self.progress = Progress(**state["progress"])
+        self.loss_history = list(state.get("recent_losses", []))
+        log.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            ckpt,
+            self.progress.step,
+            self.progress.epoch,
+            self.progress.batch,
+        )
+
+    # -- the loop --------------------------------------------------------------------------
+    def micro_step(self, latents: torch.Tensor, input_ids: torch.Tensor, scale: float, sync: bool) -> float:
+        """Forward + backward one micro-batch; gradients all-reduced only when ``sync``."""
+        dev = self.dist.device
+        with torch.no_grad():
+            cond = self.text_encoder(input_ids.to(dev))[0].float()  # bf16 encoder on CUDA; no-op in fp32
+        gens = sample_generators(self.generator, latents.shape[0], self.dist.rank, self.dist.world)
+        cond = cfg_dropout(cond, self.uncond, self.phase.cfg_dropout, gens)
+        no_sync = self.model.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
+        autocast = torch.autocast(
+            "cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda" and self.cfg.mixed_precision == "bf16"
+        )
+        with no_sync:  # one context (DDP's no_sync() is single-use) around forward and backward
+            with autocast:
+                loss = denoising_loss(
+                    self.model,
+                    self.scheduler,
+                    latents.to(dev),
+                    cond,
+                    gens,
+                    self.phase.min_snr_gamma,
+                    self.cfg.noise_offset,
+                )
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"train@{self.phase_name}: non-finite loss {loss.item()} at step {self.progress.step}; "
+                    "stopping (the last good checkpoint is kept). Lower the LR or check the latents."
+                )
+            (loss * scale).backward()
+        return float(loss.detach())
+
+    def optimizer_step(self) -> float:
+        """Clip, step, schedule, EMA (every ``ema_update_every`` steps); return the gradient norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        if self.progress.step % self.cfg.ema_update_every == 0:
+            self.ema.step(self.unet.parameters())
+        return float(grad_norm)
+
+
+def _allow_tf32(device: torch.device, enabled: bool) -> None:
+    """Set TF32 matmuls and convolutions on CUDA to ``train.tf32``; nothing elsewhere."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
+    """The CLIP text encoder on ``device`` in eval mode without gradients; bf16 only on CUDA when asked."""
+    dtype = torch.bfloat16 if device.type == "cuda" and dtype_name == "bf16" else torch.float32
+    text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
+    text_encoder.to(device, dtype=dtype).eval()
+    text_encoder.requires_grad_(False)
+    return text_encoder
+
+
+def _uncond_embedding(models: Path, tokenizer, text_encoder, device: torch.device) -> torch.Tensor:
+    """The empty prompt's embedding: the one prepare_models wrote, else encoded now."""
+    uncond_file = models / "uncond_embedding.safetensors"  # written once by prepare_models
+    if uncond_file.is_file():
+        return load_file(uncond_file)["uncond"].to(device)
+
+    return encode_prompts(tokenizer, text_encoder, [""], device).float()
+
+
+def _load_phase_unet(params: Params, phase: Phase, device: torch.device):
+    """The phase's starting UNet (``init_from``, then ``init_path``) on ``device``, set up for training."""
+    cfg = params.train
+    init_dir = Path(params.paths.checkpoints) / phase.init_from
+    weights = "live" if phase.init_from == SCRATCH else phase.init_weights
+    unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
+    if phase.init_path:
+        load_foreign_weights(unet, Path(phase.init_path))
+    unet.to(device).train()
+    if cfg.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if cfg.channels_last:
+        unet.to(memory_format=torch.channels_last)
+    return unet
+
+
+def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
+    """``unet`` itself on one process, else wrapped in DistributedDataParallel."""
+    if dist.world > 1:
+        return torch.nn.parallel.DistributedDataParallel(
+            unet,
+            device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=False,
+        )
+    return unet
+
+
+def _build_ema(unet, cfg: Train, device: torch.device):
+    """The EMA of ``unet``'s weights and the device it lives on (``train.ema_device``: model or cpu)."""
+    ema = TrainingEMA(
+        unet.parameters(),
+        decay=cfg.ema_decay,
+        every=cfg.ema_update_every,
+        model_cls=UNet2DConditionModel,
+        model_config=unet.config,
+    )
+    ema_device = device if cfg.ema_device == "model" else torch.device("cpu")
+    ema.to(ema_device)
+    return ema, ema_device
+
+
+def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.optim.AdamW:
+    kwargs = dict(lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    if device.type == "cuda":
+        try:
+            return torch.optim.AdamW(parameters, fused=True, **kwargs)
+        except (RuntimeError, TypeError) as err:
+            log.warning("fused AdamW unavailable (%s); using the default implementation", err)
+    return torch.optim.AdamW(parameters, **kwargs)
+
+
+LOSS_TAIL = 20
+"""Step losses kept in each checkpoint (mean over ranks) so a resumed run reports the same ``final_loss``."""
+
+
+def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
+    """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses
+    (after a resume: the checkpoint's last :data:`LOSS_TAIL` losses, then this run's).
+
+    ``on_step(step, stats)`` is called after each optimizer step with ``loss``, ``lr``, ``grad_norm``,
+    ``step_time_s`` (first batch wait to optimizer step done; checkpoint writes excluded),
+    ``data_wait_s`` (of that, the time spent waiting for the loader) and ``samples`` (this rank's).
+    """
+    phase, cfg, p = tr.phase, tr.cfg, tr.progress
+    losses: list[float] = list(tr.loss_history)
+    saver = _Checkpointer(tr, run_dir, mark=len(losses))
+    accum = phase.grad_accum
+    while p.epoch < phase.epochs:
+        group_loss, in_group = 0.0, 0
+        t_ready = group_t0 = time.perf_counter()
+        data_wait, group_samples = 0.0, 0
+        for b, latents, ids in iter_batches(
+            tr.data, p.epoch, cfg.seed, tr.dist.rank, tr.dist.world, phase.batch_size, start_batch=p.batch
+        ):
+            if in_group == 0:
+                group_t0, data_wait, group_samples = t_ready, 0.0, 0
+            data_wait += time.perf_counter() - t_ready
+            group_samples += latents.shape[0]
+            group_start = (b // accum) * accum
+            group_size = min(accum, tr.batches_per_epoch - group_start)
+            last_in_group = b == group_start + group_size - 1
+            group_loss += tr.micro_step(latents, ids, 1.0 / group_size, sync=last_in_group)
+            in_group += 1
+            if not last_in_group:
+                t_ready = time.perf_counter()
+                continue
+            grad_norm = tr.optimizer_step()
+            loss = group_loss / in_group
+            losses.append(loss)
+            group_loss, in_group = 0.0, 0
+            p.batch = b + 1
+            if on_step:
+                stats = {
+                    "loss": loss,
+                    "lr": tr.lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "step_time_s": time.perf_counter() - group_t0,
+                    "data_wait_s": data_wait,
+                    "samples": group_samples,
+                }
+                on_step(p.step, stats)
+            if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < tr.batches_per_epoch:
+                saver.save(losses)
+            _kill_point(p.step)
+            t_ready = time.perf_counter()
+        p.epoch, p.batch = p.epoch + 1, 0
+        saver.save(losses)
+    saver.close()
+    return losses
+
+
+def _kill_point(step: int) -> None:
+    """Fault injection for resume tests: ``SDFORGE_KILL_AT_STEP=N`` SIGKILLs this process after step N."""
+    if os.environ.get("SDFORGE_KILL_AT_STEP") == str(step):
+        log.warning("SDFORGE_KILL_AT_STEP=%d: killing this process (fault injection)", step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Checkpointer:
+    """The checkpoints of one :func:`train_loop`.
+
+    Each save gathers every rank's RNG state to rank 0, which writes the checkpoint (with the mean
+    loss since the previous one, over all ranks, for ``keep_best``), prunes, and — with
+    ``train.checkpoint_s3`` — queues its upload; :meth:`close` waits for pending uploads.
+    """
+
+    def __init__(self, tr: Trainer, run_dir: Path, mark: int = 0):
+        self.tr, self.run_dir, self.mark = tr, run_dir, mark
+        cfg = tr.cfg
+        self.retention = Retention(cfg.keep_last, cfg.keep_every, cfg.keep_best)
+        self.uploader = None
+        if cfg.checkpoint_s3 and tr.dist.is_main:
+            remote = RemoteRun(run_url(cfg.checkpoint_s3, run_dir))
+            self.uploader = BackgroundUploader(remote, run_dir, self.retention)
+
+    def save(self, losses: list[float]) -> None:
+        tr, dist = self.tr, self.tr.dist
+        recent, self.mark = losses[self.mark :], len(losses)
+        loss = sum(recent) / len(recent) if recent else None
+        rng = [capture_rng(tr.generator, dist.device)]
+        tail = losses[-LOSS_TAIL:]
+        if dist.world > 1:
+            total = torch.tensor([sum(recent), len(recent)], dtype=torch.float64, device=dist.device)
+            torch.distributed.all_reduce(total)
+            loss = float(total[0] / total[1]) if total[1] else None
+            tail_t = torch.tensor(tail, dtype=torch.float64, device=dist.device)  # same length on every rank
+            torch.distributed.all_reduce(tail_t)
+            tail = (tail_t / dist.world).tolist()
+            gathered = [None] * dist.world if dist.is_main else None
+            torch.distributed.gather_object(rng[0], gathered, dst=0)
+            rng = gathered
+        if dist.is_main:
+            config = tr.params.model_dump(mode="json")
+            state = {**tr.state(), "recent_losses": tail}
+            path = save_checkpoint(
+                self.run_dir, tr.progress, tr.unet, state, self.retention, rng=rng, loss=loss, config=config
+            )
+            if self.uploader:
+                self.uploader.submit(path)
+        if dist.world > 1:
+            torch.distributed.barrier()
+
+    def close(self) -> None:
+        if self.uploader:
+            self.uploader.close()

@@ -1,0 +1,77 @@
+"""Where a phase's UNet starts: a previous phase's checkpoint, optionally overwritten by a foreign state dict.
+
+Either way the architecture must be the one ``params.yaml`` describes (``models.unet``); a mismatch is
+an :class:`~sdforge.io.InputError` naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import load_file
+
+from model.weights import load_state_dict_strict, strip_wrapper_prefixes, unnest_state_dict
+from sdforge.io import InputError
+
+log = logging.getLogger(__name__)
+
+ARCH_KEYS = (
+    "block_out_channels",
+    "layers_per_block",
+    "cross_attention_dim",
+    "attention_head_dim",
+    "down_block_types",
+    "up_block_types",
+    "in_channels",
+    "out_channels",
+    "norm_num_groups",
+)
+
+
+def load_init_unet(init_dir: Path, weights: str, spec: dict):
+    """The phase's starting UNet; architecture keys must equal ``models.unet``'s, else a clear error."""
+    sub = "unet_ema" if weights == "ema" else "unet"
+    path = init_dir / sub
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path}: no UNet checkpoint to start from (run the previous phase or prepare_models)")
+    unet = UNet2DConditionModel.from_pretrained(path)
+    for key in ARCH_KEYS:
+        want, got = spec.get(key), unet.config.get(key)
+        if _norm(want) != _norm(got):
+            raise InputError(f"{path}: checkpoint has {key}={got!r} but params models.unet.{key}={want!r}")
+    return unet
+
+
+def _norm(v):
+    return list(v) if isinstance(v, list | tuple) else v
+
+
+def load_foreign_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from ``.safetensors`` or ``.pt``/``.pth``/``.bin`` (``weights_only``), unnested and unprefixed."""
+    if not path.is_file():
+        raise InputError(f"phase init_path {path}: no such file")
+    try:
+        if path.suffix == ".safetensors":
+            obj = load_file(path)
+        elif path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise InputError(f"phase init_path {path}: expected .safetensors, .pt, .pth, .bin or .ckpt")
+        return strip_wrapper_prefixes(unnest_state_dict(obj))
+    except InputError:
+        raise
+    except Exception as err:  # unpicklable, truncated, not a dict: all the file's fault
+        raise InputError(f"phase init_path {path}: cannot read a state dict ({err})") from err
+
+
+def load_foreign_weights(unet: torch.nn.Module, path: Path) -> None:
+    """Load the foreign state dict at ``path`` strictly into ``unet``; a mismatch is an InputError naming keys."""
+    state_dict = load_foreign_state_dict(path)
+    try:
+        load_state_dict_strict(unet, state_dict)
+    except ValueError as err:
+        raise InputError(f"phase init_path {path}: {err} (params models.unet must describe this checkpoint)") from err
+    log.info("initialised the UNet from %s (%d tensors)", path, len(state_dict))

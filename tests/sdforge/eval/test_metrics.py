@@ -1,0 +1,107 @@
+"""CLIP score and FID from local weights: a tiny CLIP trained here for a few steps, and a tiny
+TorchScript feature extractor in the NVlabs Inception calling convention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdforge.eval.metrics import clip_scores, frechet_distance, image_metrics, inception_features
+from tests.fixtures.eval_workspace import write_tokenizer
+
+
+class ChannelMeans(torch.nn.Module):
+    """Stands in for ``pt_inception-2015-12-05``: ``model(x, return_features=True)`` on 0..255 floats."""
+
+    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
+        return x.mean(dim=(2, 3)) / 255.0
+
+
+@pytest.fixture(scope="module")
+def inception_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inception") / "pt_inception-tiny.pt"
+    torch.jit.save(torch.jit.script(ChannelMeans()), str(path))
+    return path
+
+
+def _images(n: int, seed: int, shift: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.full((16, 16, 3), rng.integers(40, 200, size=3) + shift, dtype=np.uint8) for _ in range(n)]
+
+
+def test_fid_is_zero_against_itself_and_the_mean_shift_against_a_shifted_set(inception_file, tmp_path):
+    images = _images(32, seed=0)
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(ref / f"{i:03d}.png")
+    model = torch.jit.load(str(inception_file))
+    features = inception_features(model, images, batch_size=5)
+    assert features.shape == (32, 3) and features.max() < 1.0  # fed 0..255, divided by 255 inside
+    assert frechet_distance(features, features) == pytest.approx(0.0, abs=1e-8)
+    # every pixel +30: the features move by 30/255 per channel, the covariance stays → FID = 3·(30/255)²
+    shifted = _images(32, seed=0, shift=30)
+    got = image_metrics(shifted, ["x"] * 32, ["c"] * 32, None, str(inception_file), str(ref), 100)
+    assert got["fid"] == pytest.approx(3 * (30 / 255) ** 2, rel=1e-3)
+    assert got["fid_reference_images"] == 32
+    same = image_metrics(images, ["x"] * 32, ["c"] * 32, None, str(inception_file), str(ref), 100)
+    assert same["fid"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_missing_paths_skip_and_name_the_key(tmp_path):
+    imgs = _images(2, seed=1)
+    got = image_metrics(imgs, ["a", "b"], ["c", "c"], str(tmp_path / "nope"), None, None, 10)
+    assert got["clip_score"] is None and got["clip_score_skipped"].startswith("eval.clip_model_path = ")
+    assert got["fid_skipped"] == "eval.fid.inception_path is null: fid skipped"
+    got = image_metrics(imgs, ["a", "b"], ["c", "c"], None, str(tmp_path / "x.pt"), None, 10)
+    assert got["fid_skipped"] == "eval.fid.reference_dir is null: fid skipped"
+
+
+RED, BLUE = "a red square", "a blue circle"
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    """A tiny CLIPModel + processor trained 60 steps to match a red image with RED and a blue one with BLUE."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    out = tmp_path_factory.mktemp("clip")
+    tokenizer = write_tokenizer(out / "tok")
+    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=8)  # fmt: skip
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    size = {"shortest_edge": 16}
+    processor = CLIPProcessor(CLIPImageProcessor(size=size, crop_size={"height": 16, "width": 16}), tokenizer)
+    images = [Image.fromarray(img) for img in _coloured()]
+    batch = processor(text=[RED, BLUE], images=images, return_tensors="pt", padding=True)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        loss = model(**batch, return_loss=True).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out / "model")
+    processor.save_pretrained(out / "model")
+    return out / "model"
+
+
+def _coloured() -> list[np.ndarray]:
+    red, blue = np.zeros((16, 16, 3), np.uint8), np.zeros((16, 16, 3), np.uint8)
+    red[..., 0], blue[..., 2] = 220, 220
+    return [red, blue]
+
+
+def test_clip_score_is_higher_for_matching_captions(tiny_clip):
+    images = _coloured()
+    matching = clip_scores(images, [RED, BLUE], tiny_clip)
+    swapped = clip_scores(images, [BLUE, RED], tiny_clip)
+    assert min(matching) > max(swapped) + 10  # 100·cos: the trained pairs agree, the swapped ones do not
+    got = image_metrics(images, [RED, BLUE], ["shapes", "shapes"], str(tiny_clip), None, None, 10)
+    assert got["clip_score"] == pytest.approx(np.mean(matching), abs=1e-3)
+    assert got["clip_score_shapes"] == got["clip_score"]

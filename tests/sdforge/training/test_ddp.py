@@ -1,0 +1,113 @@
+"""train stage under torchrun (2 CPU processes, gloo): it runs through the stage CLI, and DDP with batch B per
+rank trains like one process with batch 2B.
+
+Why the two runs can agree: the loader gives rank r the slice ``perm[r::2]`` of the epoch's permutation, so
+batch b of the two ranks together is batch b of one process with twice the batch; every sample's noise,
+timestep and CFG drop come from its own stream, seeded by its row of the global micro-batch
+(:func:`sdforge.training.distributed.sample_generators`); the loss is a per-sample mean (Min-SNR weights are per
+sample) and DDP averages the ranks' gradients, so the gradient is the mean over the 2B samples. What is left
+is float32 summation order (in the UNet's batched ops and the all-reduce), amplified a little by Adam.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from sdforge.latents.loader import rank_order
+from sdforge.training.distributed import sample_generators
+from tests.fixtures.training import build_workspace, train, weights
+
+MAX_ABS_DIFF = 1e-5
+"""Tolerance on every weight (live and EMA) after 6 optimizer steps at lr 1e-3. Measured max |Δ| = 1.2e-7
+(float32 rounding) while the weights moved up to 3e-3 from init (different noise per sample would give
+differences of the order of the updates, ~1e-3)."""
+
+
+def _set(params_file: Path, nproc: int, batch_size: int) -> None:
+    data = yaml.safe_load(params_file.read_text())
+    data["train"]["nproc_per_node"] = nproc
+    data["phases"]["phase1"]["batch_size"] = batch_size
+    params_file.write_text(yaml.safe_dump(data))
+
+
+def _trained(tmp_path_factory, name: str, nproc: int, batch_size: int):
+    root = tmp_path_factory.mktemp(name)
+    params = build_workspace(root)
+    _set(params, nproc=nproc, batch_size=batch_size)
+    return root, train(params, "phase1")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """phase1 trained through the stage CLI with ``nproc_per_node: 2`` (torchrun, gloo), batch 4 per rank."""
+    return _trained(tmp_path_factory, "ddp2", nproc=2, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same phase trained by one process with batch 8."""
+    return _trained(tmp_path_factory, "ddp1", nproc=1, batch_size=8)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_rows_are_the_one_process_rows(world):
+    """Rank r's row j holds the sample (and the random streams) of row j·world + r of one process's batch."""
+    n, batch, seed = 40, 3, 7
+    whole = rank_order(n, 0, seed, 0, 1)
+    one = sample_generators(torch.Generator().manual_seed(seed), world * batch, 0, 1)
+    one_draws = [torch.randn(5, generator=g) for g in one]
+    shared_after = []
+    for rank in range(world):
+        order = rank_order(n, 0, seed, rank, world)
+        shared = torch.Generator().manual_seed(seed)
+        gens = sample_generators(shared, batch, rank, world)
+        for j in range(batch):
+            assert order[j] == whole[j * world + rank]
+            assert torch.equal(torch.randn(5, generator=gens[j]), one_draws[j * world + rank])
+        shared_after.append(shared.get_state())
+    assert all(torch.equal(s, shared_after[0]) for s in shared_after)  # the shared stream stays in step
+
+
+def test_two_process_run_through_the_stage_cli(two_ranks):
+    """The real launch path: ~25 s idle (torchrun + 2 ranks on 2 cores), ~85 s on a busy machine."""
+    two, done = two_ranks
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 --standalone" in done.stderr
+    metrics = json.loads((two / "metrics/train/phase1.json").read_text())
+    assert metrics["world_size"] == 2
+    assert metrics["steps"] == 6  # 20 samples per rank / batch 4 = 5 batches; accum 2 → 3 × 2 epochs
+    assert np.isfinite(metrics["final_loss"])
+    from sdforge.config import load_params
+    from sdforge.training.trainer import load_init_unet
+
+    spec = load_params(two / "params.yaml").models.unet.model_dump()
+    init = weights(two, "scratch", "unet")
+    for sub in ("unet", "unet_ema"):
+        unet = load_init_unet(two / "checkpoints/phase1", "live" if sub == "unet" else "ema", spec)
+        trained = unet.state_dict()
+        assert all(torch.isfinite(v).all() for v in trained.values())
+        assert any(not torch.equal(trained[k], init[k]) for k in init), f"{sub} did not move from its init"
+
+
+def test_ddp_matches_one_process_with_double_batch(two_ranks, one_process):
+    """The acceptance test: ~12 s on top of the 2-rank run (one more 1-process training)."""
+    (two, done_two), (one, done_one) = two_ranks, one_process
+    assert done_two.returncode == 0, done_two.stderr[-4000:]
+    assert done_one.returncode == 0, done_one.stderr[-4000:]
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(two, "phase1", sub), weights(one, "phase1", sub)
+        assert a.keys() == b.keys()
+        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        moved = max(float((a[k].double() - weights(one, "scratch", "unet")[k].double()).abs().max()) for k in a)
+        print(f"{sub}: max |2 ranks x B - 1 process x 2B| = {diff:.3g} (largest change from init {moved:.3g})")
+        assert diff <= MAX_ABS_DIFF, f"{sub}: DDP differs from the 1-process run by {diff:.3g} > {MAX_ABS_DIFF}"
+    m_two = json.loads((two / "metrics/train/phase1.json").read_text())
+    m_one = json.loads((one / "metrics/train/phase1.json").read_text())
+    assert m_two["steps"] == m_one["steps"] == 6
+    assert m_two["final_loss"] == pytest.approx(m_one["final_loss"], rel=1e-4)

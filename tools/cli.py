@@ -1,0 +1,127 @@
+"""``sdforge`` — user-facing commands: ``generate`` samples images from a phase checkpoint, ``export`` writes
+it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from PIL import Image, PngImagePlugin
+
+from sdforge.config import load_params
+from sdforge.eval.export import export_pipeline, register
+from sdforge.eval.sampling import generate, load_pipeline
+from sdforge.io import InputError, setup_logging, write_json
+
+log = logging.getLogger("sdforge")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    setup_logging()
+    params = load_params(args.params)
+    checkpoint = _checkpoint(args, params)
+    if args.category is not None and args.category not in params.eval.prompts:
+        log.error("--category %s: not an eval category %s", args.category, list(params.eval.prompts))
+        return 2
+    default_steps, default_guidance = (
+        params.eval.settings(args.category) if args.category else (params.eval.steps, params.eval.guidance_scale)
+    )
+    steps = args.steps or default_steps
+    guidance = args.guidance if args.guidance is not None else default_guidance
+    try:
+        pipe = load_pipeline(Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device)
+    except InputError as err:
+        log.error("%s", err)
+        return 2
+    prompts = [p for p in args.prompt for _ in range(args.num_images)]
+    seeds = [args.seed + i for i in range(len(prompts))]
+    images = generate(
+        pipe,
+        prompts,
+        negative_prompt=args.negative,
+        steps=steps,
+        guidance_scale=guidance,
+        seeds=seeds,
+        batch_size=args.batch_size,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (img, prompt, seed) in enumerate(zip(images, prompts, seeds, strict=True)):
+        info = PngImagePlugin.PngInfo()
+        meta = {
+            "prompt": prompt,
+            "negative_prompt": args.negative,
+            "seed": seed,
+            "steps": steps,
+            "guidance_scale": guidance,
+            "checkpoint": str(checkpoint),
+            "checkpoint_hash": pipe.checkpoint_hash,
+            "weights": "live" if args.live else "ema",
+        }
+        for k, v in meta.items():
+            info.add_text(f"sdforge:{k}", str(v))
+        path = out / f"{i:03d}-seed{seed}.png"
+        Image.fromarray(img).save(path, pnginfo=info)
+        print(path)
+    return 0
+
+
+def _checkpoint(args: argparse.Namespace, params) -> Path:
+    """``--checkpoint``, or the last phase's checkpoint folder."""
+    return Path(args.checkpoint or Path(params.paths.checkpoints) / params.phase_names()[-1])
+
+
+def _export(args: argparse.Namespace) -> int:
+    setup_logging()
+    params = load_params(args.params)
+    try:
+        metrics = export_pipeline(Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live)
+    except InputError as err:
+        log.error("%s", err)
+        return 2
+    if args.mlflow_register:
+        metrics.update(register(Path(args.out), args.mlflow_register, params.tracking, metrics))
+    write_json(Path(args.out) / "sdforge_export.json", metrics)
+    print(args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sdforge`` argument parser."""
+    parser = argparse.ArgumentParser(prog="sdforge", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="sample images from a phase checkpoint (EMA weights by default)")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
+    gen.add_argument("--negative", default="", help="negative prompt (default: empty)")
+    gen.add_argument("--steps", type=int, default=None, help="DDIM steps (default: eval.steps)")
+    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (default: eval.guidance_scale)")
+    gen.add_argument("--category", default=None, help="take steps/guidance defaults from this eval category")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
+    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
+    gen.add_argument("--live", action="store_true", help="use live instead of EMA weights")
+    gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
+    gen.add_argument("--out", default="generated", help="output directory")
+    gen.add_argument("--params", default="params.yaml")
+    gen.set_defaults(func=_generate)
+    exp = sub.add_parser("export", help="write a diffusers StableDiffusionPipeline folder (EMA weights by default)")
+    exp.add_argument("--out", required=True, help="output folder (replaced)")
+    exp.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
+    exp.add_argument("--live", action="store_true", help="export live instead of EMA weights")
+    exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
+    exp.add_argument("--params", default="params.yaml")
+    exp.set_defaults(func=_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``sdforge`` console script."""
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The demo shrunk to a test's size (2 phases, a few steps each): the end-to-end test and the kill harness."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shrink(params: dict, port: int) -> dict:
+    """The demo params, made small enough for a test: 2 phases, fewer rows and steps."""
+    demo = params["demo"]
+    demo.update(laion_rows=96, archive_images=48, http_port=port)
+    params["models"]["vae_build"].update(train_steps=30)
+    params["phases"] = {
+        "phase1": {**params["phases"]["phase1"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
+        "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
+                   "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
+    }
+    params["train"].update(save_steps=3, log_every=1)
+    params["eval"].update(prompts=params["eval"]["prompts"][:4], steps=4, batch_size=4, columns=2)
+    return params
