@@ -109,7 +109,8 @@ def _shard_dir(shards: str, source: str) -> str | Path:
     return f"{shards.rstrip('/')}/{source}" if s3_inputs.is_s3(shards) else Path(shards) / source
 
 
-def _run_stage(params: Params, source: str) -> dict:
+def run_stage(params: Params, source: str) -> dict:
+    """Resolve source ``source``'s paths from ``params``, run, log to MLflow."""
     paths = params.paths
     metrics = run(
         params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), Path(paths.latents) / source
@@ -121,7 +122,7 @@ def _run_stage(params: Params, source: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.encode_latents --params params.yaml --item <source>``."""
-    stage_cli("encode_latents", _run_stage, argv=argv)
+    stage_cli("encode_latents", run_stage, argv=argv)
 
 
 if __name__ == "__main__":

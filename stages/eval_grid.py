@@ -65,7 +65,8 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
     return metrics
 
 
-def _run_stage(params: Params, phase: str) -> dict:
+def run_stage(params: Params, phase: str) -> dict:
+    """Resolve phase ``phase``'s paths from ``params``, run, log to MLflow."""
     out_dir = Path(params.paths.eval) / phase
     metrics = run(params.eval, params.demo, Path(params.paths.models), Path(params.paths.checkpoints) / phase, out_dir)
     with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump()) as mlflow:
@@ -80,7 +81,7 @@ def _run_stage(params: Params, phase: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.eval_grid --params params.yaml --item <phase>``."""
-    stage_cli("eval_grid", _run_stage, argv=argv)
+    stage_cli("eval_grid", run_stage, argv=argv)
 
 
 if __name__ == "__main__":

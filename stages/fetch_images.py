@@ -120,7 +120,7 @@ def run(
     return metrics
 
 
-def stage(params: Params, item: str) -> dict[str, Any]:
+def run_stage(params: Params, item: str) -> dict[str, Any]:
     """Resolve paths from ``params`` and run the stage for source ``item``."""
     source = params.sources[item]
     serve = (Path(params.paths.demo_source) / "http", params.demo.http_port) if source.fetch.serve_demo else None
@@ -138,7 +138,7 @@ def stage(params: Params, item: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.fetch_images --params params.yaml --item <source>``."""
-    stage_cli("fetch_images", stage, argv=argv)
+    stage_cli("fetch_images", run_stage, argv=argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from sdforge.config import Source, Tracking
+from sdforge.config import Params, Source, Tracking
 from sdforge.ingest import sources
 from sdforge.ingest.sources.laion.filter import filter_laion
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_figure
@@ -23,7 +23,6 @@ from sdforge.io import InputError, stage_cli
 from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
-
 
 
 def log_to_mlflow(
@@ -43,17 +42,11 @@ def log_to_mlflow(
             )
 
 
-def run(
-    source: Source,
-    name: str,
-    in_dir: str | Path,
-    out_dir: str | Path,
-    tracking: Tracking | None = None,
-) -> dict[str, int]:
-    """Filter source ``name`` from ``in_dir`` into ``out_dir/filtered.parquet``; return metrics.
-
-    ``tracking=None`` skips MLflow (unit tests).
-    """
+def filter_with_histograms(
+    source: Source, name: str, in_dir: str | Path, out_dir: str | Path
+) -> tuple[dict[str, int], Histograms | None]:
+    """Filter source ``name`` from ``in_dir`` into ``out_dir/filtered.parquet``; return metrics and (LAION)
+    the before/after histograms."""
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if not in_dir.is_dir():
         raise InputError(f"metadata folder {in_dir} not found (run download_metadata first)")
@@ -65,24 +58,27 @@ def run(
     else:
         metrics = sources.filter_source(source, name, in_dir, out_dir / sources.FILTERED_FILE)
     log.info("%s: kept %d of %d rows: %s", name, metrics["rows_out"], metrics["rows_in"], metrics)
-    if tracking is not None:
-        log_to_mlflow(tracking, name, source, metrics, hist)
+    return metrics, hist
+
+
+def run(source: Source, name: str, in_dir: str | Path, out_dir: str | Path) -> dict[str, int]:
+    """Filter source ``name`` from ``in_dir`` into ``out_dir/filtered.parquet``; return metrics."""
+    return filter_with_histograms(source, name, in_dir, out_dir)[0]
+
+
+def run_stage(params: Params, item: str) -> dict[str, int]:
+    """Resolve source ``item``'s paths from ``params``, run, log metrics and histograms to MLflow."""
+    source = params.sources[item]
+    metrics, hist = filter_with_histograms(
+        source, item, Path(params.paths.metadata) / item, Path(params.paths.filtered) / item
+    )
+    log_to_mlflow(params.tracking, item, source, metrics, hist)
     return metrics
 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.filter_metadata --params params.yaml --item <source>``."""
-    stage_cli(
-        "filter_metadata",
-        lambda params, item: run(
-            params.sources[item],
-            item,
-            Path(params.paths.metadata) / item,
-            Path(params.paths.filtered) / item,
-            tracking=params.tracking,
-        ),
-        argv=argv,
-    )
+    stage_cli("filter_metadata", run_stage, argv=argv)
 
 
 if __name__ == "__main__":

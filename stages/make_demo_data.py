@@ -21,7 +21,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from sdforge.config import DemoData
+from sdforge.config import DemoData, Params
 from sdforge.demo.corpus import build
 from sdforge.io import stage_cli
 from sdforge.tracking import log_stage
@@ -50,15 +50,16 @@ def run(cfg: DemoData, out_dir: str | Path) -> dict[str, int]:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI: ``python -m stages.make_demo_data --params params.yaml``."""
-    stage_cli("make_demo_data", _stage, needs_item=False, argv=argv)
-
-
-def _stage(params, _item) -> dict:
+def run_stage(params: Params, _item: None) -> dict:
+    """Resolve the demo corpus' paths from ``params``, run, log to MLflow."""
     metrics = run(params.demo, params.paths.demo_source)
     log_stage(params.tracking, "data", "make_demo_data", metrics, params.demo.model_dump())
     return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: ``python -m stages.make_demo_data --params params.yaml``."""
+    stage_cli("make_demo_data", run_stage, needs_item=False, argv=argv)
 
 
 if __name__ == "__main__":

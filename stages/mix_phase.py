@@ -139,7 +139,8 @@ def _composition_figure(metrics: dict):
     return fig
 
 
-def _run_stage(params: Params, phase_name: str) -> dict:
+def run_stage(params: Params, phase_name: str) -> dict:
+    """Resolve phase ``phase_name``'s paths from ``params``, run, log to MLflow."""
     phase = params.phases[phase_name]
     metrics = run(
         phase_name,
@@ -159,7 +160,7 @@ def _run_stage(params: Params, phase_name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.mix_phase --params params.yaml --item <phase>``."""
-    stage_cli("mix_phase", _run_stage, argv=argv)
+    stage_cli("mix_phase", run_stage, argv=argv)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def run(
     return metrics
 
 
-def _run_stage(params: Params, _item: None) -> dict[str, Any]:
+def run_stage(params: Params, _item: None) -> dict[str, Any]:
     """Resolve the paths from ``params``, run, log to the ``models`` parent run in MLflow."""
     models = params.models
     metrics = run(models, params.demo, params.eval, params.paths.models, Path(params.paths.checkpoints) / SCRATCH)
@@ -152,7 +152,7 @@ def _run_stage(params: Params, _item: None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``python -m stages.prepare_models --params params.yaml``."""
-    stage_cli("prepare_models", _run_stage, needs_item=False, argv=argv)
+    stage_cli("prepare_models", run_stage, needs_item=False, argv=argv)
 
 
 if __name__ == "__main__":

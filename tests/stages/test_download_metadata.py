@@ -9,6 +9,7 @@ import huggingface_hub
 import pytest
 
 from sdforge.config import Source
+from sdforge.ingest import metadata
 from sdforge.io import InputError
 from stages import download_metadata
 
@@ -73,7 +74,7 @@ def test_no_matching_file_is_an_input_error_naming_repo_and_patterns(tmp_path):
     ],
 )
 def test_local_or_hub(repo, local):
-    assert download_metadata.is_local(repo) is local
+    assert metadata.is_local(repo) is local
 
 
 def test_symlinks_out_of_the_source_are_skipped_and_named_and_never_followed(tmp_path, caplog):
@@ -110,7 +111,7 @@ def test_copy_refuses_a_destination_outside_the_output(tmp_path):
     out.mkdir()
     (out / "a").symlink_to(tmp_path / "elsewhere", target_is_directory=True)  # a hostile pre-existing link
     with pytest.raises(InputError, match="would be outside"):
-        download_metadata.copy_files(root, [root / "a" / "f.parquet"], out)
+        metadata.copy_files(root, [root / "a" / "f.parquet"], out)
     assert not (tmp_path / "elsewhere").exists()
 
 
@@ -187,7 +188,7 @@ def test_hub_cache_dir_is_the_configured_one_else_hf_hub_cache(monkeypatch, conf
     else:
         monkeypatch.setenv("HF_HUB_CACHE", env)
     source = Source(kind="laion", repo="owner/dataset", cache_dir=configured)
-    assert download_metadata.hub_cache_dir(source) == expected
+    assert metadata.hub_cache_dir(source) == expected
 
 
 def test_a_killed_hub_download_resumes_without_fetching_the_finished_files_again(tmp_path, monkeypatch):

@@ -197,7 +197,8 @@ def test_mlflow_gets_metrics_the_metrics_json_and_the_histograms(tmp_path):
     pl.DataFrame(laion_rows({}, {"AESTHETIC_SCORE": 1.0})).write_parquet(meta / "p.parquet")
     tracking = Tracking(mlflow_uri=f"sqlite:///{tmp_path}/mlflow.db", experiment="test-filter")
     source = Source(kind="laion", repo="unused", filter=RULES)
-    metrics = filter_metadata.run(source, "laion", meta, tmp_path / "out", tracking=tracking)
+    metrics, hist = filter_metadata.filter_with_histograms(source, "laion", meta, tmp_path / "out")
+    filter_metadata.log_to_mlflow(tracking, "laion", source, metrics, hist)
     mlflow.set_tracking_uri(tracking.mlflow_uri)
     runs = mlflow.search_runs(
         experiment_names=["test-filter"], filter_string="tags.`sdforge.stage` = 'filter_metadata@laion'"
