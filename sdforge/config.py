@@ -17,10 +17,19 @@ import logging
 import re
 import string
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +41,101 @@ class ConfigError(ValueError):
     """A params file that does not validate; the message names the key path."""
 
 
-class Section(BaseModel):
-    """Base of every config section: immutable, unknown keys rejected."""
+# --- names that become path components ---------------------------------------------------------------------------
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_NAME_LENGTH = 128
+RESERVED_PHASE_NAMES = frozenset({SCRATCH})
+"""``paths.checkpoints/scratch`` is the seeded initial UNet: a phase of that name would overwrite it."""
+
+
+def check_safe_name(name: str) -> str:
+    """Return ``name`` if it is safe as one path component (a file or folder name, a DVC stage item, an
+    MLflow run name): letters, digits, ``_``, ``.``, ``-``, starting with a letter or digit, no ``..``."""
+    if not _SAFE_NAME.fullmatch(name) or ".." in name or len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            "not a safe name: it becomes a folder or file name, so use letters, digits, '_', '.' and '-' only, "
+            f"starting with a letter or digit, without '..', at most {MAX_NAME_LENGTH} characters; got {name!r}"
+        )
+    return name
+
+
+def check_phase_name(name: str) -> str:
+    """A safe name (:func:`check_safe_name`) that is not reserved for a pipeline folder (``scratch``)."""
+    check_safe_name(name)
+    if name in RESERVED_PHASE_NAMES:
+        raise ValueError(
+            f"{name!r} is reserved (paths.checkpoints/{name} is the seeded initial UNet); rename the phase"
+        )
+    return name
+
+
+SafeName = Annotated[str, AfterValidator(check_safe_name)]
+"""A config key or value that becomes a path component: source, phase, eval category, DVC remote name."""
+PhaseName = Annotated[str, AfterValidator(check_phase_name)]
+
+
+# --- URL-valued params never carry credentials ------------------------------------------------------------------
+
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(:[0-9]{1,5})?")
+_S3_BUCKET = re.compile(r"[A-Za-z0-9_.-]*")
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^\s'\",@]*@")
+_BARE_USERINFO = re.compile(r"(?<![\w:/.+-])[^\s'\",@:/]+:(?!//)[^\s'\",@]+@(?=[A-Za-z0-9\[])")
+CREDENTIALS_HINT = (
+    "must not carry credentials (user:secret@host): write the URL without them and give them through the "
+    "environment (S3: the AWS chain, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or ~/.aws or the pod's role; "
+    "MLflow: MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD; the Hub: HF_TOKEN)"
+)
+
+
+def url_has_credentials(value: str) -> bool:
+    """True when ``value`` may embed credentials: userinfo (``scheme://user:secret@host``, also with a ``/``
+    in the secret), or ``user:secret@host`` without a scheme. Conservative: an s3 bucket or http(s) host
+    that is not a plain ``name`` / ``host[:port]`` counts too."""
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return "@" in value.split("/", 1)[0]
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if "@" in authority:
+        return True
+    if scheme.lower() == "s3":
+        return not _S3_BUCKET.fullmatch(authority)
+    if scheme.lower() in ("http", "https"):
+        return not _HOST_PORT.fullmatch(authority)
+    return False
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the userinfo of every ``scheme://user:secret@`` (or bare ``user:secret@host``) in it
+    replaced by ``***``; over-redacts an ``@`` in a URL's path rather than miss a secret holding a ``/``."""
+    return _BARE_USERINFO.sub("***@", _USERINFO.sub(r"\1***@", text))
+
+
+def check_no_credentials(value: str | None) -> str | None:
+    """Return ``value`` (a URL, hub id or path) unless it embeds credentials (:func:`url_has_credentials`)."""
+    if value is not None and url_has_credentials(value):
+        raise ValueError(CREDENTIALS_HINT)
+    return value
+
+
+def check_s3_url(value: str | None) -> str | None:
+    """Return ``value`` if it is ``s3://bucket[/prefix]`` without credentials (``None`` passes)."""
+    check_no_credentials(value)
+    if value is not None and (not value.startswith("s3://") or len(value) <= 5):
+        raise ValueError(f"expected an s3://bucket/prefix URL; got {value!r}")
+    return value
+
+
+Url = Annotated[str, AfterValidator(check_no_credentials)]
+"""A URL (or a hub id / local path that could be one) that must not embed credentials."""
+S3Url = Annotated[str, AfterValidator(check_s3_url)]
+
+
+class Section(BaseModel):
+    """Base of every config section: immutable, unknown keys rejected. A rejected value is left out of
+    pydantic's own message (it may be a credential); :func:`parse_params` shows the safe ones."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 RGB = tuple[int, int, int]
@@ -60,7 +160,7 @@ class Paths(Section):
 class Tracking(Section):
     """MLflow: tracking URI (overridden by ``MLFLOW_TRACKING_URI``) and experiment."""
 
-    mlflow_uri: str = "sqlite:///mlflow.db"
+    mlflow_uri: Url = "sqlite:///mlflow.db"
     experiment: str = "sdforge"
 
 
@@ -69,27 +169,14 @@ class Storage(Section):
     standard AWS chain (environment, ~/.aws, the pod's role) and are never written to params or repo.
     Checkpoints go to ``train.checkpoint_s3`` (a param of the train stage)."""
 
-    dvc_remote: str | None = None
+    dvc_remote: S3Url | None = None
     """``s3://bucket/prefix``: the default DVC remote (set in ``.dvc/config.local`` by the flows)."""
-    remote_name: str = "storage"
-    endpoint_url: str | None = None
+    remote_name: SafeName = "storage"
+    """The DVC remote's name (a section of ``.dvc/config.local``)."""
+    endpoint_url: Url | None = None
     """An S3-compatible endpoint (MinIO, moto, R2) for DVC; boto3 (checkpoints) reads ``AWS_ENDPOINT_URL``."""
-    mlflow_artifacts: str | None = None
+    mlflow_artifacts: S3Url | None = None
     """``s3://bucket/prefix``: ``--artifacts-destination`` of the MLflow server ``tools.stack up --mlflow`` starts."""
-
-    @field_validator("dvc_remote", "mlflow_artifacts")
-    @classmethod
-    def _s3_url(cls, url: str | None) -> str | None:
-        if url is not None and (not url.startswith("s3://") or len(url) <= 5):
-            raise ValueError(f"expected an s3://bucket/prefix URL; got {url!r}")
-        return url
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _no_userinfo(cls, url: str | None) -> str | None:
-        if url is not None and "@" in url.split("//", 1)[-1].split("/", 1)[0]:
-            raise ValueError("endpoint_url must not carry credentials (user:secret@host); use the AWS chain")
-        return url
 
 
 class DemoData(Section):
@@ -249,7 +336,7 @@ class Source(Section):
     """One data source: where its metadata/archives come from and how to filter/fetch."""
 
     kind: Literal["laion", "diffusiondb", "journeydb", "vggface2", "coco", "local"]
-    repo: str
+    repo: Url
     """HF dataset repo id, or a local directory (demo, tests) holding the same files."""
     revision: str | None = None
     allow_patterns: list[str] = ["*.parquet"]
@@ -343,8 +430,8 @@ class Models(Section):
     """Where the frozen VAE / text encoder come from, and the UNet architecture."""
 
     source: Literal["build", "pretrained"] = "build"
-    vae: str = "stabilityai/sd-vae-ft-mse"
-    text_encoder: str = "openai/clip-vit-large-patch14"
+    vae: Url = "stabilityai/sd-vae-ft-mse"
+    text_encoder: Url = "openai/clip-vit-large-patch14"
     vae_build: VaeBuild = VaeBuild()
     text_encoder_build: TextEncoderBuild = TextEncoderBuild()
     unet: UNetSpec = UNetSpec()
@@ -392,7 +479,7 @@ class Train(Section):
     """... plus every checkpoint whose step is a multiple of N (0: none) ..."""
     keep_best: bool = True
     """... plus the one with the lowest mean training loss since the previous checkpoint."""
-    checkpoint_s3: str | None = None
+    checkpoint_s3: S3Url | None = None
     """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
     resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
     log_every: int = Field(10, ge=1)
@@ -406,7 +493,7 @@ class Train(Section):
     """Processes (GPUs) per node; > 1 (or nnodes > 1) makes the stage launch ``torchrun``."""
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = None
+    rdzv_endpoint: Url | None = None
     """``host:port`` of the rendezvous (required when nnodes > 1)."""
     mixed_precision: Literal["no", "bf16"] = "bf16"
     """bf16 autocast on CUDA; CPU always trains in fp32."""
@@ -434,13 +521,13 @@ class Phase(Section):
     """One training phase: its data mix and hyper-parameters."""
 
     description: str = ""
-    init_from: str = SCRATCH
+    init_from: SafeName = SCRATCH
     init_weights: Literal["ema", "live"] = "ema"
     init_path: str | None = None
     """Optional foreign weights to start from instead (a ``.safetensors``/``.pt`` state dict, e.g. the
     reference run's checkpoint); wrapper prefixes (``module.``, ``_orig_mod.``, ``unet.``,
     ``_fsdp_wrapped_module.``) are stripped and the keys must match ``models.unet``."""
-    mix: dict[str, StrictInt | float]
+    mix: dict[SafeName, StrictInt | float]
     """source name → fraction of the phase's samples (decimals summing to 1, e.g. ``0.6``) or a sample
     count (integers, e.g. ``150000``; then ``samples`` must equal their sum). One mix uses one kind."""
     samples: int = Field(ge=1)
@@ -516,12 +603,12 @@ GUIDANCE_WARN_ABOVE = 9.0
 class Eval(Section):
     """Fixed prompts by category and sampler settings for the per-phase eval grid and its metrics."""
 
-    prompts: dict[str, list[str]]
+    prompts: dict[SafeName, list[str]]
     """category → prompts. A plain list is one category, ``all`` (the demo's colour/shape probe prompts)."""
     negative_prompt: str = ""
     steps: int = Field(100, ge=1)
     guidance_scale: float = Field(7.5, ge=1)
-    sampling: dict[str, CategorySampling] = {}
+    sampling: dict[SafeName, CategorySampling] = {}
     """category → steps / guidance_scale for that category (others use the two values above)."""
     seed: int = 1234
     """Prompt ``i`` of a category is sampled with seed ``seed + i``, in every phase."""
@@ -545,9 +632,6 @@ class Eval(Section):
         empty = sorted(name for name, texts in prompts.items() if not texts)
         if empty:
             raise ValueError(f"categories without prompts: {empty}")
-        bad = sorted(name for name in prompts if not re.fullmatch(r"[A-Za-z0-9_-]+", name))
-        if bad:
-            raise ValueError(f"category names must be letters, digits, '_' or '-' (they name files); got {bad}")
         return prompts
 
     @model_validator(mode="after")
@@ -586,11 +670,11 @@ class Params(Section):
     tracking: Tracking = Tracking()
     storage: Storage = Storage()
     demo: DemoData
-    sources: dict[str, Source]
+    sources: dict[SafeName, Source]
     models: Models
     encode: Encode = Encode()
     train: Train = Train()
-    phases: dict[str, Phase]
+    phases: dict[PhaseName, Phase]
     eval: Eval
 
     @model_validator(mode="after")
@@ -616,14 +700,24 @@ class Params(Section):
         return list(self.phases)
 
 
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    """The dotted key path, e.g. ``sources.laion.repo``; a rejected dict key (pydantic's loc
+    ``(..., '../x', '[key]')``) reads ``sources key '../x'``."""
+    if len(loc) >= 2 and loc[-1] == "[key]":
+        return f"{'.'.join(str(p) for p in loc[:-2])} key {loc[-2]!r}"
+    return ".".join(str(p) for p in loc) or "<root>"
+
+
 def _format_error(err: ValidationError, origin: str) -> str:
+    """One line per error: ``origin: key.path: message (got value)``; a value that may hold credentials,
+    or that the message already quotes, is not repeated."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
-        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"{origin}: {key}: {msg}{got_text}")
+        hidden = isinstance(got, dict) or (isinstance(got, str) and (url_has_credentials(got) or repr(got) in msg))
+        got_text = "" if hidden else f" (got {got!r})"
+        lines.append(f"{origin}: {_key_path(e['loc'])}: {msg}{got_text}")
     return "\n".join(lines)
 
 

@@ -13,15 +13,28 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from sdforge.config import Tracking
+from sdforge.config import Tracking, redact_credentials
 
 log = logging.getLogger(__name__)
 
 PARENT_TAG = "sdforge.parent"
 STAGE_TAG = "sdforge.stage"
 
-# Keys whose values never go to MLflow (credentials in params or env must not leak).
-_SECRET_MARKERS = ("secret", "password", "token", "credential", "access_key")
+# Keys whose values never go to MLflow (credentials in params or env must not leak): logged as REDACTED.
+_SECRET_MARKERS = (
+    "secret",
+    "password",
+    "passwd",
+    "token",
+    "credential",
+    "access_key",
+    "api_key",
+    "apikey",
+    "private_key",
+)
+REDACTED = "***"
+MAX_PARAM_CHARS = 6000
+"""MLflow's limit on a param value (longer values are cut)."""
 
 
 def tracking_uri(cfg: Tracking) -> str:
@@ -43,17 +56,19 @@ def _parent_run_id(client: Any, experiment_id: str, parent: str) -> str:
     return run.info.run_id
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten nested dicts to dotted keys, dropping secret-looking keys."""
-    out: dict[str, Any] = {}
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten nested dicts to dotted keys and string values, as MLflow params, with secrets redacted: the
+    value of a key naming a secret (``*secret*``, ``*token*``, ``*password*`` ...) is ``***``, and so is the
+    userinfo of any URL in a value (``s3://***@bucket``). Values are cut to MLflow's limit after redaction."""
+    out: dict[str, str] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if any(m in key.lower() for m in _SECRET_MARKERS):
-            continue
-        if isinstance(v, dict):
+            out[key] = REDACTED
+        elif isinstance(v, dict):
             out.update(flatten(v, f"{key}."))
         else:
-            out[key] = v
+            out[key] = redact_credentials(str(v))[:MAX_PARAM_CHARS]
     return out
 
 
@@ -75,9 +90,8 @@ def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | N
         with mlflow.start_run(run_id=parent_id):
             with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
                 if params:
-                    flat = {k: str(v)[:6000] for k, v in flatten(params).items()}
-                    mlflow.log_params(flat)
-                log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, uri)
+                    mlflow.log_params(flatten(params))
+                log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, redact_credentials(uri))
                 yield mlflow
 
 
@@ -98,4 +112,5 @@ def log_stage(cfg: Tracking, parent: str, stage: str, metrics: dict[str, Any], p
     """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run."""
     with stage_run(cfg, parent, stage, params) as mlflow:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
-        mlflow.log_text(json.dumps(metrics, indent=2, sort_keys=True, default=str), f"{stage.split('@')[0]}.json")
+        text = redact_credentials(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+        mlflow.log_text(text, f"{stage.split('@')[0]}.json")

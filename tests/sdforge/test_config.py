@@ -63,3 +63,104 @@ def test_init_from_must_be_an_earlier_phase(demo_dict):
 def test_missing_params_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="params file not found"):
         load_params(tmp_path / "nope.yaml")
+
+
+# --- names that become path components (issue 14, item 4) --------------------------------------------------------
+
+UNSAFE_NAMES = ["../../victim", "..", "a/b", "a\\b", ".hidden", "-rf", "x..y", "a b", "", "tab\t", "q'uote", "a@b"]
+
+
+@pytest.mark.parametrize("bad", UNSAFE_NAMES)
+def test_source_name_must_be_a_safe_path_component(demo_dict, bad):
+    msg = _broken(demo_dict, lambda d: d["sources"].update({bad: d["sources"]["laion"]}))
+    assert f"sources key {bad!r}" in msg and "letters, digits" in msg
+
+
+@pytest.mark.parametrize("bad", ["../../victim", "a/b", ".x", "p..q"])
+def test_phase_name_must_be_a_safe_path_component(demo_dict, bad):
+    msg = _broken(demo_dict, lambda d: d["phases"].update({bad: d["phases"]["phase1"]}))
+    assert f"phases key {bad!r}" in msg and "letters, digits" in msg
+
+
+def test_phase_may_not_be_named_scratch(demo_dict):
+    msg = _broken(demo_dict, lambda d: d["phases"].update(scratch=d["phases"]["phase1"]))
+    assert "phases key 'scratch'" in msg and "reserved" in msg
+
+
+@pytest.mark.parametrize(
+    ("where", "mutate"),
+    [
+        ("phases.phase2.init_from", lambda d: d["phases"]["phase2"].update(init_from="../../victim")),
+        ("phases.phase3.mix key '../laion'", lambda d: d["phases"]["phase3"].update(mix={"../laion": 1.0})),
+        ("eval.prompts key '../cat'", lambda d: d["eval"].update(prompts={"../cat": ["a red circle"]})),
+        ("eval.sampling key '../cat'", lambda d: d["eval"].update(sampling={"../cat": {"steps": 2}})),
+        ("storage.remote_name", lambda d: d["storage"].update(remote_name='x"]\n[core')),
+    ],
+)
+def test_every_name_that_becomes_a_path_or_identifier_is_checked(demo_dict, where, mutate):
+    msg = _broken(demo_dict, mutate)
+    assert where in msg and "letters, digits" in msg
+
+
+def test_shipped_names_stay_valid():
+    for path in ("params.yaml", "configs/full/params.yaml"):
+        p = load_params(path)
+        assert p.sources and p.phases and p.eval.prompts
+
+
+# --- credentials in URL-valued params (issue 14, item 5) ---------------------------------------------------------
+
+SENTINEL = "SENTINELs3cr3t"
+CREDENTIAL_URLS = [
+    (("storage", "dvc_remote"), f"s3://AKIAEXAMPLE:{SENTINEL}@bucket/dvcstore"),
+    (("storage", "dvc_remote"), f"s3://AKIAEXAMPLE:{SENTINEL}/with/slash@bucket/dvcstore"),
+    (("storage", "mlflow_artifacts"), f"s3://AKIAEXAMPLE:{SENTINEL}@bucket/mlflow"),
+    (("storage", "endpoint_url"), f"http://minio:{SENTINEL}@minio:9000"),
+    (("train", "checkpoint_s3"), f"s3://AKIAEXAMPLE:{SENTINEL}@bucket/ckpts"),
+    (("train", "checkpoint_s3"), f"s3://AKIAEXAMPLE:{SENTINEL}/with/slash@bucket/ckpts"),
+    (("tracking", "mlflow_uri"), f"https://user:{SENTINEL}@mlflow.example.com"),
+    (("tracking", "mlflow_uri"), f"postgresql://user:{SENTINEL}@db/mlflow"),
+    (("sources", "laion", "repo"), f"https://user:{SENTINEL}@huggingface.co/datasets/x"),
+    (("models", "vae"), f"https://{SENTINEL}@huggingface.co/stabilityai/sd-vae-ft-mse"),
+]
+
+
+@pytest.mark.parametrize(("key", "url"), CREDENTIAL_URLS)
+def test_url_params_reject_embedded_credentials_without_echoing_them(demo_dict, key, url):
+    def mutate(d):
+        section = d
+        for part in key[:-1]:
+            section = section.setdefault(part, {})
+        section[key[-1]] = url
+
+    msg = _broken(demo_dict, mutate)
+    assert ".".join(key) in msg and "credentials" in msg and "environment" in msg
+    assert SENTINEL not in msg
+
+
+def test_model_error_does_not_echo_a_credential():
+    from sdforge.config import Storage
+
+    with pytest.raises(ValueError, match="credentials") as err:
+        Storage(dvc_remote=f"s3://AKIAEXAMPLE:{SENTINEL}@bucket/dvcstore")
+    assert SENTINEL not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "url"),
+    [
+        (("storage", "dvc_remote"), "s3://sdforge-artifacts/dvc@v2/store"),
+        (("storage", "endpoint_url"), "http://127.0.0.1:9000"),
+        (("storage", "endpoint_url"), "https://[::1]:9000/"),
+        (("tracking", "mlflow_uri"), "databricks://profile:prefix"),
+        (("tracking", "mlflow_uri"), "sqlite:////abs/mlflow.db"),
+        (("sources", "laion", "repo"), "laion/relaion2B-en-research-safe"),
+    ],
+)
+def test_url_params_without_credentials_still_load(demo_dict, key, url):
+    d = copy.deepcopy(demo_dict)
+    section = d
+    for part in key[:-1]:
+        section = section.setdefault(part, {})
+    section[key[-1]] = url
+    parse_params(d)

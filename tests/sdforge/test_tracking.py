@@ -1,0 +1,70 @@
+"""MLflow params logging never carries a secret: secret-named keys and URL credentials become ``***``."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdforge.config import Tracking
+from sdforge.tracking import flatten, log_stage
+
+SENTINEL = "SENTINELs3cr3t"
+"""Stands for a credential: it must never reach MLflow."""
+
+
+def _leaky_params() -> dict:
+    return {
+        "storage": {"dvc_remote": f"s3://AKIAEXAMPLE:{SENTINEL}@bucket/dvcstore", "remote_name": "storage"},
+        "train": {"checkpoint_s3": f"s3://AKIAEXAMPLE:{SENTINEL}/with/slash@bucket/ckpts", "lr": 1e-4},
+        "aws_secret_access_key": SENTINEL,
+        "hub": {"HF_TOKEN": SENTINEL, "db_password": SENTINEL, "ClientSecret": SENTINEL},
+        "mirrors": [f"https://user:{SENTINEL}@mirror.example.com/x", "s3://plain-bucket/x"],
+        "endpoint": f"minio:{SENTINEL}@minio:9000",
+        "tracking": {"mlflow_uri": f"postgresql://mlflow:{SENTINEL}@db:5432/mlflow"},
+    }
+
+
+def test_flatten_redacts_secret_keys_and_url_credentials():
+    flat = flatten(_leaky_params())
+    assert SENTINEL not in repr(flat)
+    assert flat["aws_secret_access_key"] == flat["hub.HF_TOKEN"] == flat["hub.db_password"] == "***"
+    assert flat["hub.ClientSecret"] == "***"
+    assert flat["storage.dvc_remote"] == "s3://***@bucket/dvcstore"
+    assert flat["tracking.mlflow_uri"] == "postgresql://***@db:5432/mlflow"
+    assert flat["endpoint"] == "***@minio:9000"
+    assert "s3://plain-bucket/x" in flat["mirrors"]
+    assert flat["storage.remote_name"] == "storage" and flat["train.lr"] == "0.0001"  # the rest is kept
+
+
+def test_flatten_keeps_plain_values():
+    params = {"phase": {"lr": 1e-5, "mix": {"laion": 0.6}}, "prompts": ["a photo of me@home"], "uri": "sqlite:///m.db"}
+    assert flatten(params) == {
+        "phase.lr": "1e-05",
+        "phase.mix.laion": "0.6",
+        "prompts": "['a photo of me@home']",
+        "uri": "sqlite:///m.db",
+    }
+
+
+def test_sentinel_never_reaches_mlflow(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = Tracking(mlflow_uri=uri, experiment="redaction")
+    metrics = {"rows": 3, "source": f"https://user:{SENTINEL}@mirror.example.com/x"}
+    log_stage(cfg, "data", "download_metadata@laion", metrics, _leaky_params())
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("redaction")
+    (run,) = client.search_runs([exp.experiment_id], filter_string="tags.`sdforge.stage` = 'download_metadata@laion'")
+    params = run.data.params
+    assert params["aws_secret_access_key"] == "***" and params["storage.dvc_remote"] == "s3://***@bucket/dvcstore"
+    assert params["train.lr"] == "0.0001"
+    assert SENTINEL not in repr(params) and SENTINEL not in repr(run.data.tags)
+    artifact = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, tracking_uri=uri, dst_path=str(tmp_path / "a")
+    )
+    texts = [p.read_text() for p in (tmp_path / "a").rglob("*") if p.is_file()]
+    assert texts and artifact and all(SENTINEL not in t for t in texts)
+    assert SENTINEL not in (tmp_path / "mlflow.db").read_bytes().decode("latin-1")
