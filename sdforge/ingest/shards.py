@@ -9,12 +9,14 @@ img2dataset's ``output_format="webdataset"`` writes, per shard ``NNNNN``:
 Keys are ``shard_id * 10**ceil(log10(shard_size)) + index`` zero-padded (``compute_key`` in
 img2dataset). This module writes the same layout for sources that are re-sharded locally,
 rewrites img2dataset's output so that the same input gives the same bytes (DVC hashes it; shard by
-shard, idempotently), tells finished shards from what a killed fetch left (:func:`discard_unfinished`)
+shard, idempotently; error messages lose addresses, timestamps and temp paths: :func:`sanitize_error_message`),
+tells finished shards from what a killed fetch left (:func:`discard_unfinished`)
 and sums the stats into metrics (:func:`summarize_stats`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -23,6 +25,7 @@ import os
 import re
 import shutil
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,102 @@ SHARD_FILE = re.compile(rf"(\d{{{SHARD_DIGITS}}})(?:\.tar|\.parquet|_stats\.json
 IMG2DATASET_STATUSES = frozenset({"success", "failed_to_download", "failed_to_resize"})
 STATUS_NAME = re.compile(r"[a-z][a-z0-9_]*")
 """A ``status_dict`` key that is a status (``unsafe_member``), not an error message (``HTTP Error 404: ...``)."""
+
+ERROR_MESSAGE = "error_message"
+"""The shard parquet's column with why a sample failed (free text from img2dataset, urllib, PIL, OpenCV, ...)."""
+
+_OBJECT_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+(?=>)")
+"""``<_io.BytesIO object at 0x7f3a...>``: an object's repr; the address goes, the type stays."""
+_BARE_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{9,}\b")
+"""Any other 64-bit pointer (9+ hex digits: a CRC or a byte value such as ``0xff`` stays)."""
+_TIMESTAMP = re.compile(
+    r"\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?(?![\w:])"
+    r"|\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT\b"
+)
+"""ISO 8601 and HTTP dates (``2024-05-01T12:00:03.1Z``, ``Wed, 01 May 2024 12:00:03 GMT``)."""
+_PATH_START = r"(?<![\w./:~-])"
+"""An absolute path starts the message or follows a space, quote or bracket (not inside a URL: ``http://h/tmp``)."""
+_PATH_REST = r"(?:/[^\s'\"<>()\[\],;:]*)?"
+
+
+def _temp_roots() -> list[str]:
+    """Temp folders whose paths are run-dependent (``mkdtemp`` names, pytest's numbered folders), longest first."""
+    roots = {tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"}
+    roots |= {os.path.realpath(root) for root in roots}
+    return sorted((root.rstrip("/") for root in roots if root.rstrip("/")), key=len, reverse=True)
+
+
+@functools.cache
+def _temp_path_pattern() -> re.Pattern[str]:
+    """An absolute path in one of :func:`_temp_roots` (compiled once per process)."""
+    return re.compile(_PATH_START + "(?:" + "|".join(map(re.escape, _temp_roots())) + r")(?![\w.~-])" + _PATH_REST)
+
+
+def _temp_path(match: re.Match[str]) -> str:
+    """``<tmp>/b.jpg`` for ``/tmp/pytest-of-u/pytest-7/test0/b.jpg``: the file's name stays, the run's folder goes."""
+    name = match.group(0).rstrip("/").rsplit("/", 1)[-1]
+    return "<tmp>/" + name if name and match.group(0).count("/") > 1 else "<tmp>"
+
+
+def _relative_to_cwd(message: str) -> str:
+    """Absolute paths under the working directory (the repository, in a DVC stage) made relative to it."""
+    cwd = os.getcwd().rstrip("/")
+    if not cwd or cwd in (tempfile.gettempdir(), "/tmp") or cwd not in message:
+        return message
+    return re.sub(_PATH_START + re.escape(cwd) + "/", "", message)
+
+
+def sanitize_error_message(message: str | None) -> str | None:
+    """``message`` without what differs between two fetches of the same inputs; None stays None.
+
+    Shard parquets and stats are hashed by DVC, so an error message must be a function of the input
+    only. Removed: memory addresses (``<_io.BytesIO object at 0x7f...>`` becomes ``<_io.BytesIO object>``,
+    other 64-bit pointers ``<address>``), timestamps (``<time>``), paths in temp folders (``<tmp>/NAME``,
+    the file name kept) and the working directory's prefix (paths become repository-relative). The
+    rest (error class, errno, HTTP status, URLs with their ports, file names) is kept, and a message
+    that has none of these comes back unchanged. Idempotent; applied to every source kind's shards by
+    :func:`write_parquet_table` and :func:`write_stats`.
+    """
+    if message is None:
+        return None
+    clean = _OBJECT_ADDRESS.sub(r"\1", message)
+    clean = _BARE_ADDRESS.sub("<address>", clean)
+    clean = _TIMESTAMP.sub("<time>", clean)
+    clean = _temp_path_pattern().sub(_temp_path, clean)
+    return _relative_to_cwd(clean)
+
+
+def sanitize_error_messages(table: pa.Table) -> pa.Table:
+    """``table`` with :func:`sanitize_error_message` applied to its ``error_message`` column (if any).
+
+    The table itself comes back when nothing changes, so a clean shard's parquet keeps its bytes.
+    """
+    if ERROR_MESSAGE not in table.column_names:
+        return table
+    index = table.column_names.index(ERROR_MESSAGE)
+    column = table.column(index)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return table
+    values = column.to_pylist()
+    clean = [sanitize_error_message(value) for value in values]
+    if clean == values:
+        return table
+    return table.set_column(index, table.schema.field(index), pa.array(clean, type=column.type))
+
+
+def sanitize_status_dict(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with its ``status_dict`` keys (img2dataset counts error messages there) sanitised.
+
+    Keys that become equal are merged (their counts summed); statuses such as ``success`` stay as they are.
+    """
+    status_dict = stats.get("status_dict")
+    if not isinstance(status_dict, dict):
+        return stats
+    merged: dict[str, Any] = {}
+    for key, count in status_dict.items():
+        clean = sanitize_error_message(key) if isinstance(key, str) else key
+        merged[clean] = merged[clean] + count if clean in merged else count
+    return {**stats, "status_dict": merged}
 
 
 def shard_name(shard_id: int) -> str:
@@ -225,7 +324,8 @@ def canonicalize_tar(path: str | Path) -> int:
 
 
 def canonicalize_parquet(path: str | Path, sort_key: str = "key") -> None:
-    """Rewrite a shard's parquet sorted by ``sort_key`` (img2dataset writes rows as threads finish)."""
+    """Rewrite a shard's parquet sorted by ``sort_key`` (img2dataset writes rows as threads finish), its
+    error messages sanitised (:func:`write_parquet_table`)."""
     table = pq.read_table(path)
     if sort_key in table.column_names and table.num_rows:
         table = table.sort_by(sort_key)
@@ -233,9 +333,9 @@ def canonicalize_parquet(path: str | Path, sort_key: str = "key") -> None:
 
 
 def write_parquet_table(path: str | Path, table: pa.Table) -> None:
-    """Atomically write ``table`` as parquet."""
+    """Atomically write ``table`` as parquet, ``error_message`` sanitised (:func:`sanitize_error_messages`)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf)
+    pq.write_table(sanitize_error_messages(table), buf)
     _write_if_changed(path, buf.getvalue())
 
 
@@ -249,8 +349,8 @@ def canonicalize_stats(path: str | Path) -> dict[str, Any]:
 
 
 def write_stats(path: str | Path, stats: dict[str, Any]) -> None:
-    """Write a shard's stats JSON (img2dataset's keys) deterministically."""
-    _write_if_changed(path, (json.dumps(stats, indent=4, sort_keys=True) + "\n").encode())
+    """Write a shard's stats JSON (img2dataset's keys) deterministically, ``status_dict`` sanitised."""
+    _write_if_changed(path, (json.dumps(sanitize_status_dict(stats), indent=4, sort_keys=True) + "\n").encode())
 
 
 def canonicalize_shard(folder: str | Path, shard_id: int, final: bool = True) -> None:

@@ -167,6 +167,12 @@ def scheme_refusal(url: object) -> str | None:
     return None
 
 
+def _address_order(ip: str) -> tuple[int, int]:
+    """Sort key of an address: IPv4 before IPv6, then numerically."""
+    addr = ipaddress.ip_address(ip)
+    return addr.version, int(addr)
+
+
 def guarded_create_connection(
     policy: GuardPolicy,
     address: tuple[str, int],
@@ -188,7 +194,9 @@ def guarded_create_connection(
         else:
             refused[str(ip)] = kind
     if not allowed:
-        why = ", ".join(f"{ip} ({kind})" for ip, kind in refused.items()) or "nothing"
+        # sorted: the message must not depend on the order of the DNS answer (shard metadata is hashed)
+        ordered = sorted(refused.items(), key=lambda item: _address_order(item[0]))
+        why = ", ".join(f"{ip} ({kind})" for ip, kind in ordered) or "nothing"
         raise UrlGuardError(f"{REFUSED_ADDRESS} {host!r}: resolves to {why}, not in fetch.allow_networks")
     error: OSError | None = None
     for family, type_, proto, sockaddr in allowed:
