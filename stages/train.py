@@ -26,7 +26,7 @@ from sdforge.io import InputError, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
 from sdforge.training.launch import launch, needs_launch, torchrun_command
 from sdforge.training.phase_run import NOT_TRAINING, export_phase, fingerprint, prepare_run_dir, tail_mean
-from sdforge.training.resume import resume_point
+from sdforge.training.resume import restore_newest
 from sdforge.training.step_log import StepLogger
 from sdforge.training.trainer import Trainer, train_loop
 
@@ -50,9 +50,7 @@ def run(params: Params, phase_name: str) -> dict:
         },
     )
     prepare_run_dir(run_dir, fp, dist.is_main)
-    found = resume_point(run_dir, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
-    if found:
-        tr.restore(*found)
+    restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
     resumed_at = tr.progress.step
     start = time.perf_counter()
     logger = StepLogger(params, phase_name, tr) if dist.is_main else None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
-from sdforge.config import load_params
+from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
@@ -19,7 +19,6 @@ log = logging.getLogger("sdforge")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    setup_logging()
     params = load_params(args.params)
     checkpoint = _checkpoint(args, params)
     if args.category is not None and args.category not in params.eval.prompts:
@@ -30,11 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     steps = args.steps or default_steps
     guidance = args.guidance if args.guidance is not None else default_guidance
-    try:
-        pipe = load_pipeline(Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device)
-    except InputError as err:
-        log.error("%s", err)
-        return 2
+    pipe = load_pipeline(Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device)
     prompts = [p for p in args.prompt for _ in range(args.num_images)]
     seeds = [args.seed + i for i in range(len(prompts))]
     images = generate(
@@ -74,13 +69,8 @@ def _checkpoint(args: argparse.Namespace, params) -> Path:
 
 
 def _export(args: argparse.Namespace) -> int:
-    setup_logging()
     params = load_params(args.params)
-    try:
-        metrics = export_pipeline(Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live)
-    except InputError as err:
-        log.error("%s", err)
-        return 2
+    metrics = export_pipeline(Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live)
     if args.mlflow_register:
         metrics.update(register(Path(args.out), args.mlflow_register, params.tracking, metrics))
     write_json(Path(args.out) / "sdforge_export.json", metrics)
@@ -118,9 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``sdforge`` console script."""
+    """Entry point of the ``sdforge`` console script.
+
+    Bad input — params, or a checkpoint or model folder that does not load — is one logged line and status 2
+    (the message names the file and what to do), never a library traceback.
+    """
     args = build_parser().parse_args(argv)
-    sys.exit(args.func(args))
+    setup_logging()
+    try:
+        status = args.func(args)
+    except (ConfigError, InputError) as err:
+        log.error("%s", err)
+        status = 2
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,22 +51,49 @@ def checkpoint_hash(weights_dir: Path) -> str:
 
 
 def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto") -> Pipeline:
-    """UNet from ``checkpoint_dir/unet_ema`` (or ``unet``), frozen VAE/text encoder/tokenizer from ``models_dir``."""
+    """UNet from ``checkpoint_dir/unet_ema`` (or ``unet``), frozen VAE/text encoder/tokenizer from ``models_dir``.
+
+    Weights are read from safetensors only (a pickled ``.bin`` is refused, never unpickled); a folder that
+    does not load is an :class:`InputError` of one line naming it and what to do.
+    """
     weights = checkpoint_dir / ("unet_ema" if use_ema else "unet")
     if not (weights / "config.json").is_file():
         raise InputError(f"{weights}: no UNet weights there (is {checkpoint_dir} a phase checkpoint?)")
     for sub in ("vae", "text_encoder", "tokenizer", "scheduler"):
         if not (models_dir / sub).is_dir():
             raise InputError(f"{models_dir / sub}: missing (run `dvc repro prepare_models`)")
+    retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
+    reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
     return Pipeline(
-        unet=UNet2DConditionModel.from_pretrained(weights).to(dev).eval(),
-        vae=AutoencoderKL.from_pretrained(models_dir / "vae").to(dev).eval(),
-        text_encoder=CLIPTextModel.from_pretrained(models_dir / "text_encoder").to(dev).eval(),
-        tokenizer=CLIPTokenizer.from_pretrained(models_dir / "tokenizer"),
+        unet=_load(UNet2DConditionModel, weights, retrain).to(dev).eval(),
+        vae=_load(AutoencoderKL, models_dir / "vae", reprepare).to(dev).eval(),
+        text_encoder=_load(CLIPTextModel, models_dir / "text_encoder", reprepare).to(dev).eval(),
+        tokenizer=_load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False),
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
         checkpoint_hash=checkpoint_hash(weights),
     )
+
+
+def _load(cls, folder: Path, remedy: str, weights: bool = True):
+    """``cls.from_pretrained(folder)`` (safetensors only when ``weights``); an InputError naming the folder if not."""
+    if weights and not any(folder.glob("*.safetensors")):
+        found = sorted(p.name for p in folder.iterdir())
+        raise InputError(
+            f"{folder}: no .safetensors weights (found {found or 'nothing'}; other formats are never loaded); {remedy}"
+        )
+    try:
+        return cls.from_pretrained(folder, use_safetensors=True) if weights else cls.from_pretrained(folder)
+    except Exception as err:  # noqa: BLE001 - any failure to load is the folder's: report it in one line
+        raise InputError(f"{folder}: cannot be loaded ({_load_failure(err)}); {remedy}") from None
+
+
+def _load_failure(err: BaseException) -> str:
+    """Why a folder did not load, in one line; torch's advice to unpickle untrusted data is never passed on."""
+    text = str(err).strip()
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+        return "it holds pickled Python objects besides tensors, and such files are never unpickled"
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def generate(

@@ -22,7 +22,16 @@ from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denois
 from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Params, Phase, Train
 from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches
-from sdforge.training.checkpoints import Progress, Retention, capture_rng, restore_rng, save_checkpoint
+from sdforge.training.checkpoints import (
+    STATE,
+    CheckpointError,
+    Progress,
+    Retention,
+    capture_rng,
+    restore_rng,
+    rng_path,
+    save_checkpoint,
+)
 from sdforge.training.distributed import Dist, sample_generators
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
 from sdforge.training.unet_init import load_foreign_weights, load_init_unet
@@ -77,15 +86,33 @@ class Trainer:
         }
 
     def restore(self, ckpt: Path, state: dict) -> None:
-        """Load live weights, ``state`` and this rank's RNG (``state["rng"]``) from a checkpoint."""
-        loaded = UNet2DConditionModel.from_pretrained(ckpt / "unet")
-        self.unet.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.ema.load_state_dict(state["ema"])
-        self.ema.to(getattr(self, "ema_device", self.dist.device))
-        restore_rng(state["rng"], self.generator, self.dist.device)
-        self.progress = Progress(**state["progress"])
+        """Load live weights, ``state`` and this rank's RNG (``state["rng"]``) from a checkpoint.
+
+        Any failure is a CheckpointError naming the file (``unet/``, ``state.pt`` or ``rng-rank<k>.pt``), so
+        :func:`sdforge.training.resume.restore_newest` can fall back to an older checkpoint; the UNet is read
+        from safetensors only (a pickled ``.bin`` is refused, never unpickled).
+        """
+        live = _checkpoint_unet_weights(ckpt / "unet")
+        try:
+            self.unet.load_state_dict(live)
+        except (RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{ckpt / 'unet'}: does not fit this run's UNet ({_first_line(err)})") from err
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.ema.load_state_dict(state["ema"])
+            self.ema.to(getattr(self, "ema_device", self.dist.device))
+            progress = Progress(**state["progress"])
+        except Exception as err:
+            raise CheckpointError(
+                f"{ckpt / STATE}: not this run's state ({type(err).__name__}: {_first_line(err)})"
+            ) from err
+        try:
+            restore_rng(state["rng"], self.generator, self.dist.device)
+        except Exception as err:
+            rng = rng_path(ckpt, self.dist.rank)
+            raise CheckpointError(f"{rng}: not an RNG state ({type(err).__name__}: {_first_line(err)})") from err
+        self.progress = progress
         self.loss_history = list(state.get("recent_losses", []))
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
@@ -136,6 +163,25 @@ class Trainer:
         if self.progress.step % self.cfg.ema_update_every == 0:
             self.ema.step(self.unet.parameters())
         return float(grad_norm)
+
+
+def _checkpoint_unet_weights(unet_dir: Path) -> dict[str, torch.Tensor]:
+    """The live UNet state dict of a training checkpoint, from safetensors only; a CheckpointError naming the dir."""
+    if not any(unet_dir.glob("*.safetensors")):
+        found = sorted(p.name for p in unet_dir.iterdir()) if unet_dir.is_dir() else []
+        raise CheckpointError(
+            f"{unet_dir}: no .safetensors weights (found {found or 'nothing'}); other formats are never loaded"
+        )
+    try:
+        return UNet2DConditionModel.from_pretrained(unet_dir, use_safetensors=True).state_dict()
+    except Exception as err:
+        raise CheckpointError(f"{unet_dir}: cannot load the UNet ({_first_line(err)})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message (library messages can run to many lines)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _allow_tf32(device: torch.device, enabled: bool) -> None:

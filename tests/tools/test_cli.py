@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from sdforge.config import load_params
 from sdforge.eval.grid import probe_agreement
@@ -94,3 +99,41 @@ def test_exported_pipeline_reproduces_generate(project, capsys, monkeypatch):
     theirs = sd(PROMPT, negative_prompt="", num_inference_steps=4, guidance_scale=2.5,
                 generator=torch.Generator().manual_seed(5)).images[0]  # fmt: skip
     assert np.abs(ours - np.asarray(theirs).astype(int)).max() == 0  # measured: identical pixels
+
+
+def _pickle_only(weights: Path) -> None:
+    """``weights``' safetensors replaced by a pickled ``.bin`` that also holds a non-tensor object."""
+    st = weights / "diffusion_pytorch_model.safetensors"
+    torch.save({**load_file(st), "extra": Path("/not/a/tensor")}, st.with_suffix(".bin"))
+    st.unlink()
+
+
+def _truncated(weights: Path) -> None:
+    st = weights / "diffusion_pytorch_model.safetensors"
+    st.write_bytes(st.read_bytes()[:1000])
+
+
+DAMAGE = {
+    "pickled .bin only": (_pickle_only, "no .safetensors weights"),
+    "truncated safetensors": (_truncated, "cannot be loaded"),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_an_unloadable_checkpoint_is_one_line_naming_it(project, tmp_path, caplog, capsys, command, damage):
+    root, params, ckpt = project
+    bad = tmp_path / "phase1"
+    shutil.copytree(ckpt, bad)
+    spoil, reason = DAMAGE[damage]
+    spoil(bad / "unet_ema")
+    args = ["--prompt", PROMPT, "--device", "cpu"] if command == "generate" else []
+    with caplog.at_level(logging.INFO), pytest.raises(SystemExit) as exit_:
+        main([command, "--checkpoint", str(bad), "--params", str(params), "--out", str(tmp_path / "out"), *args])
+    assert exit_.value.code == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"{bad / 'unet_ema'}: {reason}") and "pass another checkpoint" in errors[0]
+    everything = caplog.text + "".join(capsys.readouterr())
+    assert "weights_only" not in everything and "Traceback" not in everything
+    assert not (tmp_path / "out").exists()
