@@ -56,7 +56,10 @@ def _open(fp: BinaryIO | Path) -> Image.Image:
 
 
 def upright_size(img: Image.Image) -> tuple[int, int]:
-    """``(width, height)`` as displayed: swapped when the EXIF orientation rotates by 90°."""
+    """``(width, height)`` as displayed: swapped when the EXIF orientation rotates by 90°.
+
+    Not header-only for PNG: Pillow decodes every pixel looking for an ``eXIf`` chunk after them, so
+    check the pixel count (``img.size``) first."""
     w, h = img.size
     try:
         orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
@@ -65,11 +68,14 @@ def upright_size(img: Image.Image) -> tuple[int, int]:
     return (h, w) if orientation in _TRANSPOSED else (w, h)
 
 
-def header_size(path: Path) -> tuple[int, int]:
-    """Upright ``(width, height)`` of an image file from its header (no pixel decoding)."""
+def header_size(path: Path, max_pixels: int | None = None) -> tuple[int, int]:
+    """Upright ``(width, height)`` of an image file from its header (no pixel decoding but a PNG's, see
+    :func:`upright_size`: give ``max_pixels`` to refuse, ``too_large``, a bigger one before that)."""
     if path.stat().st_size == 0:
         raise ImageRejected("failed_to_resize", "zero-byte file")
     with _own_pixel_limit(), _open(path) as img:
+        if max_pixels is not None:
+            check_size(img.size, max_pixels, None, None)
         return upright_size(img)
 
 
@@ -121,6 +127,8 @@ def decode_rgb(
     if not data:
         raise ImageRejected("failed_to_resize", "zero-byte file")
     with _own_pixel_limit(), _open(io.BytesIO(data)) as img:
+        # the pixel count first (the same either way up): a PNG's getexif() in upright_size decodes every pixel
+        check_size(img.size, max_pixels, None, None)
         size = upright_size(img)
         check_size(size, max_pixels, min_width, min_height)
         try:
