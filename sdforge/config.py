@@ -257,6 +257,15 @@ class FetchSettings(Section):
     user_agent_token: str | None = None
     """Appended to img2dataset's user agent so site owners can identify the crawler."""
 
+    @model_validator(mode="after")
+    def _output_fits_the_pixel_limit(self) -> FetchSettings:
+        if self.image_size**2 > self.max_image_pixels:
+            raise ValueError(
+                f"image_size {self.image_size} makes {self.image_size**2} output pixels, more than max_image_pixels "
+                f"{self.max_image_pixels}: every image would be rejected as too_large; raise max_image_pixels"
+            )
+        return self
+
     @field_validator("allow_networks")
     @classmethod
     def _networks_parse(cls, value: list[str]) -> list[str]:

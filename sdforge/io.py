@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,3 +127,20 @@ def _check_item(params: Params, stage: str, item: str | None) -> None:
             f"stages.{stage}: --item '{item}' is neither a source {sorted(params.sources)} "
             f"nor a phase {params.phase_names()}"
         )
+
+
+UNPICKLE_REFUSED = "it holds pickled Python objects besides tensors, and such files are never unpickled"
+
+
+def load_failure(err: BaseException, with_type: bool = False) -> str:
+    """Why an untrusted file did not load, in one line (optionally prefixed by the error's type).
+
+    torch's advice to re-run ``torch.load`` with ``weights_only=False`` is never passed on: that would run
+    whatever code a pickle carries.
+    """
+    text = str(err).strip()
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+        return UNPICKLE_REFUSED
+    if not text:
+        return type(err).__name__
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if with_type else text.splitlines()[0]

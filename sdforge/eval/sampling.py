@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.sampler import ddim_from_training, decode_to_uint8, encode_prompts, latent_shape_for, sample_latents
-from sdforge.io import InputError
+from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +84,7 @@ def _load(cls, folder: Path, remedy: str, weights: bool = True):
     try:
         return cls.from_pretrained(folder, use_safetensors=True) if weights else cls.from_pretrained(folder)
     except Exception as err:  # noqa: BLE001 - any failure to load is the folder's: report it in one line
-        raise InputError(f"{folder}: cannot be loaded ({_load_failure(err)}); {remedy}") from None
-
-
-def _load_failure(err: BaseException) -> str:
-    """Why a folder did not load, in one line; torch's advice to unpickle untrusted data is never passed on."""
-    text = str(err).strip()
-    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
-        return "it holds pickled Python objects besides tensors, and such files are never unpickled"
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+        raise InputError(f"{folder}: cannot be loaded ({load_failure(err, with_type=True)}); {remedy}") from None
 
 
 def generate(

@@ -15,9 +15,10 @@ deletes temporaries and shards without stats, keeps the complete ones and redoes
 
 Statuses (the parquet's ``status`` and ``status_dict``): ``success``; ``failed_to_download`` (member,
 file or archive missing or unreadable); ``failed_to_resize`` (zero-byte, truncated, corrupt or
-unknown image format); ``too_large`` (header pixels > ``fetch.max_image_pixels``, or a file larger
-than :data:`~sdforge.ingest.archive_members.MAX_BYTES_PER_PIXEL` × that); ``too_small`` (below the size
-rules the filter stored); ``unsafe_member`` (a path with ``..`` or absolute, a tar
+unknown image format, or any library error while decoding, resizing or encoding); ``too_large`` (header
+pixels > ``fetch.max_image_pixels``, the image once resized over that many pixels or over 65,500 px a
+side, or a file larger than :data:`~sdforge.ingest.archive_members.MAX_BYTES_PER_PIXEL` × that);
+``too_small`` (below the size rules the filter stored); ``unsafe_member`` (a path with ``..`` or absolute, a tar
 symlink/hardlink/device, a loose file resolving outside the source folder); ``duplicate`` (the same
 member twice among the rows or in the archive). Nothing is ever extracted to disk: member names are
 only looked up.

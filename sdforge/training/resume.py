@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sdforge.io import InputError
+from sdforge.io import InputError, load_failure
 from sdforge.training import s3_checkpoints
 from sdforge.training.checkpoints import PREFIX, STATE, CheckpointError, checkpoint_dirs, load_state, rng_path
 
@@ -30,14 +30,6 @@ Restore = Callable[[Path, dict[str, Any]], None]
 
 class ResumeError(InputError):
     """Checkpoints exist but none of them restores: the stage fails rather than train from scratch over them."""
-
-
-def load_failure(err: BaseException) -> str:
-    """Why a file did not load, in one line; torch's advice to unpickle untrusted data is never passed on."""
-    text = str(err).strip()
-    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
-        return "it holds pickled Python objects besides tensors, and such files are never unpickled"
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def resume_point(

@@ -14,7 +14,7 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file
 
 from model.weights import load_state_dict_strict, strip_wrapper_prefixes, unnest_state_dict
-from sdforge.io import InputError
+from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,12 @@ def load_init_unet(init_dir: Path, weights: str, spec: dict):
     path = init_dir / sub
     if not (path / "config.json").is_file():
         raise InputError(f"{path}: no UNet checkpoint to start from (run the previous phase or prepare_models)")
-    unet = UNet2DConditionModel.from_pretrained(path)
+    try:
+        unet = UNet2DConditionModel.from_pretrained(path, use_safetensors=True)
+    except Exception as err:  # a damaged or pickle-only folder: the file's fault, named in one line
+        raise InputError(
+            f"{path}: cannot load the UNet ({load_failure(err, with_type=True)}); re-run the stage that wrote it"
+        ) from None
     for key in ARCH_KEYS:
         want, got = spec.get(key), unet.config.get(key)
         if _norm(want) != _norm(got):
@@ -64,7 +69,10 @@ def load_foreign_state_dict(path: Path) -> dict[str, torch.Tensor]:
     except InputError:
         raise
     except Exception as err:  # unpicklable, truncated, not a dict: all the file's fault
-        raise InputError(f"phase init_path {path}: cannot read a state dict ({err})") from err
+        raise InputError(
+            f"phase init_path {path}: cannot read a state dict ({load_failure(err, with_type=True)}); "
+            "convert it to .safetensors on a machine you trust"
+        ) from None
 
 
 def load_foreign_weights(unet: torch.nn.Module, path: Path) -> None:

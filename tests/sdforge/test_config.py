@@ -5,7 +5,7 @@ import copy
 import pytest
 import yaml
 
-from sdforge.config import ConfigError, load_params, parse_params
+from sdforge.config import ConfigError, FetchSettings, load_params, parse_params
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +164,9 @@ def test_url_params_without_credentials_still_load(demo_dict, key, url):
         section = section.setdefault(part, {})
     section[key[-1]] = url
     parse_params(d)
+
+
+def test_an_output_size_over_the_pixel_limit_is_a_config_error():
+    assert FetchSettings(image_size=64, max_image_pixels=64 * 64).image_size == 64
+    with pytest.raises(ValueError, match=r"image_size 64 makes 4096 output pixels, more than max_image_pixels 4095"):
+        FetchSettings(image_size=64, max_image_pixels=4095)

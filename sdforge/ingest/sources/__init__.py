@@ -33,9 +33,9 @@ def filter_source(source: Source, name: str, in_dir: Path, out_file: Path) -> di
     if kind == "journeydb":
         return filter_journeydb(in_dir, out_file, source.journeydb, rules)
     if kind == "vggface2":
-        return filter_vggface2(in_dir, out_file, source.vggface2, rules)
+        return filter_vggface2(in_dir, out_file, source.vggface2, rules, source.fetch.max_image_pixels)
     if kind == "coco":
         return filter_coco(in_dir, out_file, source.coco, rules)
     if kind == "local":
-        return filter_local(in_dir, out_file, source.local, rules)
+        return filter_local(in_dir, out_file, source.local, rules, source.fetch.max_image_pixels)
     raise InputError(f"sources.{name}.kind: '{kind}' has no filter adapter (supported: laion, {sorted(LOCAL_KINDS)})")

@@ -98,13 +98,15 @@ def caption_of(member: str, path: Path, options: LocalOptions) -> tuple[str, dic
     return ", ".join(kept), {"tags": kept, "score": score, "adjusted_score": adjusted}
 
 
-def filter_local(in_dir: Path, out_file: Path, options: LocalOptions, rules: FilterRules) -> dict[str, int]:
+def filter_local(
+    in_dir: Path, out_file: Path, options: LocalOptions, rules: FilterRules, max_pixels: int | None = None
+) -> dict[str, int]:
     """One row per image with a usable caption file."""
     files = loose.scan(in_dir)
     if not files:
         raise InputError(f"no images under {in_dir} (run download_metadata first)")
     drops, rows = DropCounter(REASONS), []
-    for member, path, _ in loose.images(in_dir, rules, drops, files):
+    for member, path, _ in loose.images(in_dir, rules, drops, files, max_pixels):
         try:
             caption, meta = caption_of(member, path, options)
         except Dropped as dropped:

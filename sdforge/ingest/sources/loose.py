@@ -35,13 +35,15 @@ def scan(root: Path) -> list[tuple[str, Path]]:
 
 
 def images(
-    root: Path, rules: FilterRules, drops: DropCounter, files: list[tuple[str, Path]]
+    root: Path, rules: FilterRules, drops: DropCounter, files: list[tuple[str, Path]], max_pixels: int | None = None
 ) -> Iterator[tuple[str, Path, tuple[int, int] | None]]:
     """The usable images among ``files``: ``(member, path, (w, h) or None)``; the rest counted in ``drops``.
 
     A symlink must resolve to a regular file inside ``root``; of several files with the same path
     minus suffix (``a.jpg``, ``a.png``) the first in sorted order is kept. When the filter has a
-    minimum size, each header is read (PIL, no pixel decoding) and the rule applied here.
+    minimum size, each header is read (PIL, no pixel decoding) and the rule applied here; a header over
+    ``max_pixels`` (``fetch.max_image_pixels``: fetch would refuse it) counts as ``unreadable`` before
+    Pillow decodes a PNG's pixels looking for EXIF.
     """
     seen: set[str] = set()
     read_headers = rules.min_width is not None or rules.min_height is not None
@@ -56,7 +58,7 @@ def images(
         size = None
         if read_headers:
             try:
-                size = header_size(path)
+                size = header_size(path, max_pixels)
             except ImageRejected:
                 drops.drop("unreadable")
                 continue

@@ -51,7 +51,9 @@ def template_index(member: str, n: int) -> int:
     return int.from_bytes(hashlib.sha256(member.encode()).digest()[:8], "big") % n
 
 
-def filter_vggface2(in_dir: Path, out_file: Path, options: FaceOptions, rules: FilterRules) -> dict[str, int]:
+def filter_vggface2(
+    in_dir: Path, out_file: Path, options: FaceOptions, rules: FilterRules, max_pixels: int | None = None
+) -> dict[str, int]:
     """One row per face image, with a template caption."""
     identities: dict[str, dict[str, str]] = {}
     for meta_path in sorted(in_dir.rglob(META_FILE)):
@@ -60,7 +62,7 @@ def filter_vggface2(in_dir: Path, out_file: Path, options: FaceOptions, rules: F
     if not files:
         raise InputError(f"no images under {in_dir} (run download_metadata first)")
     drops, rows, unknown = DropCounter(loose.REASONS), [], 0
-    for member, _, _ in loose.images(in_dir, rules, drops, files):
+    for member, _, _ in loose.images(in_dir, rules, drops, files, max_pixels):
         identity = member.rsplit("/", 2)[-2] if "/" in member else ""
         info = identities.get(identity, {})
         gender = info.get("gender")

@@ -30,7 +30,17 @@ from sdforge.ingest import image_convert, reshard
 from sdforge.ingest.image_convert import convert
 from sdforge.ingest.sources.images import ImageRejected, decode_rgb
 from sdforge.ingest.sources.rows import row, write_rows
-from tests.fixtures.sources import BLUE, RED, close_to, decode, image_bytes, samples_by_member, status_totals, statuses
+from tests.fixtures.sources import (
+    BLUE,
+    RED,
+    close_to,
+    decode,
+    image_bytes,
+    png_header,
+    samples_by_member,
+    status_totals,
+    statuses,
+)
 
 STATUSES = {"failed_to_resize", "too_large", "too_small"}
 JPEG_MAX_SIDE = 65_500
@@ -43,18 +53,6 @@ def png(w: int, h: int, mode: str = "L") -> bytes:
     buf = io.BytesIO()
     Image.new(mode, (w, h), 128).save(buf, "PNG")
     return buf.getvalue()
-
-
-def png_header(w: int, h: int, depth: int = 8, colour: int = 2, idat: bytes | None = None) -> bytes:
-    """A PNG whose IHDR claims ``w``×``h`` (``depth`` bits, ``colour`` type) with ``idat`` as its only data."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    body = chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0))
-    if idat is not None:
-        body += chunk(b"IDAT", idat)
-    return b"\x89PNG\r\n\x1a\n" + body + chunk(b"IEND", b"")
 
 
 def peak_rss_kib() -> int:

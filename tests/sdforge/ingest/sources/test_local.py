@@ -15,6 +15,7 @@ from tests.fixtures.sources import (
     centre_colour,
     close_to,
     image_bytes,
+    png_header,
     run_source,
     samples_by_member,
     status_totals,
@@ -147,3 +148,28 @@ def test_local_tag_shuffle_is_seeded_and_deterministic(tmp_path):
     assert 3 <= sum(c != plain for c in half) <= 17
     assert all(sorted(c.split(", ")) == ordered for c in half)  # shuffled, never lost
     assert captions(1.0, 0) != captions(1.0, 1)
+
+
+def test_a_lying_png_header_is_dropped_before_its_pixels_are_decoded(tmp_path):
+    """With a size rule the filter reads headers; one over fetch.max_image_pixels is dropped as unreadable
+    (Pillow would otherwise decode every pixel of a PNG looking for EXIF)."""
+    repo = tmp_path / "repo"
+    write_files(
+        repo,
+        {
+            "good.jpg": image_bytes(40, 40, RED),
+            "good.txt": "a red square",
+            "huge.png": png_header(80_000, 80_000, idat=b"\x78\x9c\x03\x00\x00\x00\x00\x01"),
+            "huge.txt": "claims 6.4 gigapixels",
+        },
+    )
+    source = Source(
+        kind="local",
+        repo=str(repo),
+        allow_patterns=["*"],
+        filter={"min_width": 8},
+        fetch={"image_size": 32, "shard_size": 4, "max_image_pixels": 1_000_000},
+    )
+    filtered, fetched, out = run_source(source, "local", tmp_path / "work")
+    assert (filtered["rows_in"], filtered["dropped_unreadable"], filtered["rows_out"]) == (2, 1, 1)
+    assert list(samples_by_member(out)) == ["good.jpg"]
