@@ -13,6 +13,7 @@ mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_em
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -61,8 +62,22 @@ def run(params: Params, phase_name: str) -> dict:
         if logger:
             logger.close()
     if dist.world > 1:
-        torch.distributed.destroy_process_group()
+        _leave_process_group(tr)
     return metrics
+
+
+def _leave_process_group(tr: Trainer) -> None:
+    """Tear DDP down in an order that cannot deadlock.
+
+    gloo's worker threads release a finished collective's tensors, which needs the GIL; the process group's
+    destructor joins those threads while holding it. Freed at ``run``'s return (the DDP reducer holds the
+    group), a rank hung about one run in four. A barrier lets the workers finish (waiting releases the GIL),
+    and the reducer is freed while the default group still holds the process group alive.
+    """
+    torch.distributed.barrier()
+    tr.model = None
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: int, elapsed: float, logger) -> dict:
