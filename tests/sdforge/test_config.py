@@ -163,7 +163,11 @@ def test_url_params_without_credentials_still_load(demo_dict, key, url):
     for part in key[:-1]:
         section = section.setdefault(part, {})
     section[key[-1]] = url
-    parse_params(d)
+    loaded = parse_params(d)
+    value = loaded
+    for part in key:
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    assert value == url
 
 
 def test_an_output_size_over_the_pixel_limit_is_a_config_error():
