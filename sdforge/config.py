@@ -160,6 +160,9 @@ class Paths(Section):
 class Tracking(Section):
     """MLflow: tracking URI (overridden by ``MLFLOW_TRACKING_URI``) and experiment."""
 
+    enabled: bool = True
+    """``false``: stages log nothing to MLflow (their metrics JSON and logs are unchanged); for machines
+    without MLflow, such as a bare GPU pod running ``bench/gpu/run.sh``, and throwaway smoke runs."""
     mlflow_uri: Url = "sqlite:///mlflow.db"
     experiment: str = "sdforge"
 

@@ -72,12 +72,35 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+class NullTracking:
+    """Stands in for the ``mlflow`` module when tracking is off: every logging call does nothing."""
+
+    def _drop(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    log_metric = log_metrics = log_param = log_params = _drop
+    log_text = log_dict = log_image = log_figure = log_artifact = log_artifacts = _drop
+    set_tag = set_tags = _drop
+
+    def active_run(self) -> None:
+        """No run is active when tracking is off."""
+        return None
+
+
+NULL_TRACKING = NullTracking()
+
+
 @contextlib.contextmanager
 def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | None = None) -> Iterator[Any]:
     """Open an MLflow child run named ``stage`` under the parent run ``parent``.
 
-    Yields the ``mlflow`` module with the run active, so callers use ``mlflow.log_metric`` etc.
+    Yields the ``mlflow`` module with the run active, so callers use ``mlflow.log_metric`` etc.;
+    with ``tracking.enabled: false`` it yields :data:`NULL_TRACKING` and never imports mlflow.
     """
+    if not cfg.enabled:
+        log.info("tracking.enabled is false: %s/%s logs nothing to MLflow", parent, stage)
+        yield NULL_TRACKING
+        return
     # lazy: mlflow (~2 s); flows and tests import this module without logging
     import mlflow
 

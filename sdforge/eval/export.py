@@ -19,7 +19,7 @@ from pathlib import Path
 from diffusers import StableDiffusionPipeline
 
 from model.sampler import ddim_from_training
-from sdforge.config import Tracking
+from sdforge.config import ConfigError, Tracking
 from sdforge.eval.sampling import load_pipeline
 from sdforge.tracking import stage_run
 
@@ -58,6 +58,8 @@ def export_pipeline(models_dir: Path, checkpoint_dir: Path, out_dir: Path, use_e
 
 def register(export_dir: Path, name: str, tracking: Tracking, metrics: dict) -> dict:
     """Log ``export_dir`` as run artifacts and register them as a new version of model ``name``."""
+    if not tracking.enabled:
+        raise ConfigError(f"registering model '{name}' needs MLflow: set tracking.enabled: true in params")
     with stage_run(tracking, parent="export", stage="export", params=metrics) as mlflow:
         mlflow.log_artifacts(str(export_dir), artifact_path=MODEL_ARTIFACT)
         run = mlflow.active_run()

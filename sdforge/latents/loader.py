@@ -16,12 +16,14 @@ import logging
 import mmap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
-from sdforge.io import InputError, read_parquet_checked
+from sdforge.io import InputError
 from sdforge.latents.store import ShardArrays, open_shard, shard_path
 
 log = logging.getLogger(__name__)
@@ -37,26 +39,22 @@ class LatentIndexDataset:
     def __init__(self, index_path: Path, latents_dir: Path):
         index_path, latents_dir = Path(index_path), Path(latents_dir)
         index = _read_index(index_path)
-        shards = (
-            index.group_by("source", "shard")
-            .agg(pl.col("row").min().alias("min_row"), pl.col("row").max().alias("max_row"), pl.len().alias("n"))
-            .sort("source", "shard")
-            .with_row_index("sid")
-        )
+        # one shard id per (source, shard), in (source, shard) order; every row's shard id
+        keys, self._sid = np.unique(np.stack([index.source_code, index.shard]), axis=1, return_inverse=True)
+        self._sid = self._sid.reshape(-1).astype(np.int32)
+        self._row = index.row
         self._shards: list[ShardArrays] = []
         self._ids_fetched: set[int] = set()
-        for _, source, shard, min_row, max_row, n in shards.iter_rows():
+        for sid, (code, shard) in enumerate(keys.T.tolist()):
+            source = index.sources[code]
             arrays = _open_checked(index_path, latents_dir, source, shard)
-            if min_row < 0 or max_row >= len(arrays):
-                bad = index.filter(
-                    (pl.col("source") == source)
-                    & (pl.col("shard") == shard)
-                    & ~pl.col("row").is_between(0, len(arrays) - 1)
-                )
+            rows = self._row[self._sid == sid]
+            bad = rows[(rows < 0) | (rows >= len(arrays))]
+            if bad.size:
                 raise InputError(
                     f"{index_path}: source '{source}' shard {shard} ({shard_path(latents_dir, source, shard)}) has "
-                    f"{len(arrays)} rows but the index points at row(s) {bad['row'].head(5).to_list()} "
-                    f"({bad.height} of its {n} rows out of range); re-run encode_latents@{source}, then mix_phase"
+                    f"{len(arrays)} rows but the index points at row(s) {bad[:5].tolist()} "
+                    f"({bad.size} of its {rows.size} rows out of range); re-run encode_latents@{source}, then mix_phase"
                 )
             if self._shards and (
                 arrays.latents.shape[1:] != self._shards[0].latents.shape[1:]
@@ -69,11 +67,6 @@ class LatentIndexDataset:
                 )
             _advise_random(arrays.latents)
             self._shards.append(arrays)
-        keyed = index.join(
-            shards.select("source", "shard", "sid"), on=["source", "shard"], how="left", maintain_order="left"
-        )
-        self._sid = keyed["sid"].to_numpy().astype(np.int32)
-        self._row = keyed["row"].to_numpy().astype(np.int64)
         self.latent_shape: tuple[int, ...] = tuple(self._shards[0].latents.shape[1:])
         self._row_bytes = self._shards[0].latents[0].nbytes
         log.info(
@@ -160,11 +153,40 @@ def _will_need(array: np.ndarray, start: int, length: int) -> None:
     mapping.madvise(mmap.MADV_WILLNEED, aligned, start + length - aligned)
 
 
-def _read_index(index_path: Path) -> pl.DataFrame:
-    index = read_parquet_checked(index_path, {"source", "shard", "row"}, "re-run mix_phase for this phase")
-    if index.height == 0:
+class _Index(NamedTuple):
+    """A phase index's columns: ``sources[source_code[i]]``, ``shard[i]``, ``row[i]`` (sources sorted)."""
+
+    sources: list[str]
+    source_code: np.ndarray
+    shard: np.ndarray
+    row: np.ndarray
+
+
+def _read_index(index_path: Path) -> _Index:
+    """The phase index's three columns, read with pyarrow (the GPU image has it; polars is kept off this path)."""
+    remedy = "re-run mix_phase for this phase"
+    if not index_path.is_file():
+        raise InputError(f"{index_path}: missing ({remedy})")
+    try:
+        table = pq.read_table(index_path)
+    except (OSError, pa.ArrowException) as err:
+        raise InputError(f"{index_path}: unreadable parquet ({type(err).__name__}: {err}); {remedy}") from None
+    missing = sorted({"source", "shard", "row"} - set(table.column_names))
+    if missing:
+        raise InputError(f"{index_path}: lacks column(s) {missing}; {remedy}")
+    if table.num_rows == 0:
         raise InputError(f"{index_path}: the phase index is empty")
-    return index.select(pl.col("source").cast(pl.String), pl.col("shard").cast(pl.Int64), pl.col("row").cast(pl.Int64))
+    nulls = [name for name in ("source", "shard", "row") if table[name].null_count]
+    if nulls:
+        raise InputError(f"{index_path}: null values in column(s) {nulls}; {remedy}")
+    try:
+        source = np.asarray(table["source"].cast(pa.string()).to_pylist(), dtype=object)
+        shard = table["shard"].cast(pa.int64()).to_numpy()
+        row = table["row"].cast(pa.int64()).to_numpy()
+    except (pa.ArrowException, ValueError) as err:
+        raise InputError(f"{index_path}: bad source/shard/row values ({err}); {remedy}") from None
+    sources, source_code = np.unique(source, return_inverse=True)
+    return _Index(sources.tolist(), source_code.reshape(-1), shard, row)
 
 
 def _open_checked(index_path: Path, latents_dir: Path, source: str, shard: int) -> ShardArrays:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from sdforge.config import Tracking
+from sdforge.config import ConfigError, Tracking
+from sdforge.eval.export import register
 from sdforge.tracking import flatten, log_stage
 
 SENTINEL = "SENTINELs3cr3t"
@@ -68,3 +74,34 @@ def test_sentinel_never_reaches_mlflow(tmp_path, monkeypatch: pytest.MonkeyPatch
     texts = [p.read_text() for p in (tmp_path / "a").rglob("*") if p.is_file()]
     assert texts and artifact and all(SENTINEL not in t for t in texts)
     assert SENTINEL not in (tmp_path / "mlflow.db").read_bytes().decode("latin-1")
+
+
+def test_tracking_off_logs_nothing_and_never_imports_mlflow(tmp_path):
+    """``tracking.enabled: false``: a stage's logging calls are dropped; no store is created, mlflow is not imported."""
+    code = (
+        "import sys\n"
+        "from sdforge.config import Tracking\n"
+        "from sdforge.tracking import NULL_TRACKING, log_stage, stage_run\n"
+        f"cfg = Tracking(enabled=False, mlflow_uri='sqlite:///{tmp_path}/mlflow.db')\n"
+        "log_stage(cfg, 'phase1', 'train', {'loss': 0.5}, {'lr': 1})\n"
+        "with stage_run(cfg, 'phase1', 'train') as m:\n"
+        "    assert m is NULL_TRACKING and m.active_run() is None\n"
+        "    m.log_metrics({'a': 1.0}, step=3); m.log_image(None, artifact_file='x.png'); m.set_tag('k', 'v')\n"
+        "print('mlflow' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert out.stdout.strip() == "False"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_registering_needs_tracking(tmp_path):
+
+    with pytest.raises(ConfigError, match="tracking.enabled: true"):
+        register(tmp_path, "sdforge-demo", Tracking(enabled=False), {})
