@@ -54,7 +54,7 @@ def run(params: Params, phase_name: str) -> dict:
     restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
     resumed_at = tr.progress.step
     start = time.perf_counter()
-    logger = StepLogger(params, phase_name, tr) if dist.is_main else None
+    logger = StepLogger(params, phase_name, tr, run_dir) if dist.is_main else None
     try:
         losses = train_loop(tr, run_dir, on_step=logger.log if logger else None)
         metrics = _finish(params, phase_name, tr, losses, resumed_at, time.perf_counter() - start, logger)

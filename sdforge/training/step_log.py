@@ -4,6 +4,7 @@ progress bar with ETA, and the phase's final figures.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from sdforge.eval.grid import captioned_grid
 from sdforge.tracking import stage_run
 from sdforge.training.trainer import Trainer
 from sdforge.training.validation import Validator
+
+STEP_FILE = "steps.jsonl"
+"""In the run dir: one JSON line per optimizer step (``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
+``data_wait_s``, ``samples``), appended by the main rank and flushed each step. A resumed run appends the steps
+it redoes after the checkpoint again: the last line of a step is the one that counts (:func:`read_steps`)."""
 
 STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s")
 """Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
@@ -29,7 +35,8 @@ class StepLogger:
     ``gpu_mem_max_allocated_gb`` (the peak since the previous log).
     """
 
-    def __init__(self, params: Params, phase_name: str, tr: Trainer):
+    def __init__(self, params: Params, phase_name: str, tr: Trainer, run_dir: Path):
+        self.steps_file = (Path(run_dir) / STEP_FILE).open("a", encoding="utf-8")
         self.every = params.train.log_every
         self.validator = Validator(params, tr) if params.train.validation_every else None
         self.tr = tr
@@ -58,6 +65,8 @@ class StepLogger:
         )
 
     def log(self, step: int, stats: dict) -> None:
+        self.steps_file.write(json.dumps({"step": step, **stats}, sort_keys=True) + "\n")
+        self.steps_file.flush()
         self.losses.append(stats["loss"])
         self.window.append(stats)
         self.bar.update(1)
@@ -88,5 +97,24 @@ class StepLogger:
         self.mlflow.set_tag("checkpoint", str(out_dir.resolve()))
 
     def close(self) -> None:
+        self.steps_file.close()
         self.bar.close()
         self._ctx.__exit__(None, None, None)
+
+
+def read_steps(run_dir: Path) -> dict[int, dict]:
+    """``{step: stats}`` from a run dir's :data:`STEP_FILE`, the last line of each step winning (resumes redo steps).
+
+    A line cut short by a kill (the last one) is skipped.
+    """
+    steps: dict[int, dict] = {}
+    path = Path(run_dir) / STEP_FILE
+    if not path.is_file():
+        return steps
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        steps[int(record["step"])] = record
+    return dict(sorted(steps.items()))

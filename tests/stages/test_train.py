@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from sdforge.io import InputError
+from sdforge.training.step_log import read_steps
 from tests.fixtures.training import TRAIN_UNET, build_workspace, train, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
@@ -71,6 +72,11 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     assert sorted(straight_losses) == list(range(1, 7))
     stitched = {k: v for k, v in died_losses.items() if k <= resume_step} | resumed_losses
     assert stitched == straight_losses, why
+    # the run dir's steps.jsonl tells the same story without MLflow: every step once, the last line of a step wins
+    local = [{k: r["loss"] for k, r in read_steps(root / "runs/phase1").items()} for root in (straight, killed)]
+    assert local[0] == local[1] == straight_losses, why
+    redone = (killed / "runs/phase1/steps.jsonl").read_text().splitlines()
+    assert len(redone) == 6 + KILL_AT - resume_step, why
 
 
 def test_next_phase_starts_from_previous_ema(runs):
