@@ -81,6 +81,8 @@ def result_line(name: str, ratio: float, **fields: object) -> str:
     """``RESULT name=<name> ratio=<ratio> k=v ...`` (strings quoted, floats to ~3 significant digits)."""
 
     def fmt(value: object) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
         if isinstance(value, float):
             return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
         if isinstance(value, str):

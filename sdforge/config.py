@@ -519,6 +519,10 @@ class Train(Section):
     """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
     gradient_checkpointing: bool = False
     channels_last: bool = False
+    deterministic: bool = False
+    """``torch.use_deterministic_algorithms`` (warn-only: ops without a deterministic kernel warn, not fail),
+    cuDNN autotuning off and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set: on CUDA a killed and resumed run
+    then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway."""
 
     @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> Train:

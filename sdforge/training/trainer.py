@@ -48,6 +48,8 @@ class Trainer:
         self.cfg: Train = params.train
         paths, models = params.paths, Path(params.paths.models)
         _allow_tf32(dist.device, self.cfg.tf32)
+        if self.cfg.deterministic:
+            use_deterministic_kernels()
         self.data = LatentIndexDataset(Path(paths.mixes) / f"{phase_name}.parquet", Path(paths.latents))
         self._load_conditioning(models)
         self.unet = _load_phase_unet(params, self.phase, dist.device)
@@ -189,6 +191,17 @@ def _allow_tf32(device: torch.device, enabled: bool) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels where torch has them (``train.deterministic``); ops without one only warn."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its first handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    log.info(
+        "train.deterministic: deterministic algorithms on (CUBLAS_WORKSPACE_CONFIG=%s)",
+        os.environ["CUBLAS_WORKSPACE_CONFIG"],
+    )
 
 
 def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
