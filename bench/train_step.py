@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,8 +59,16 @@ def _load(config: str):
     return load_params(CONFIGS[config])
 
 
+_SEEDED: dict[str, torch.nn.Module] = {}
+"""Each config's seed-0 UNet, built once on CPU (860M parameters take seconds to initialise), copied per variant."""
+
+
 def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool):
-    unet = build_unet(unet_config(params.models.unet.model_dump()), seed=0).to(device).train()
+    config = unet_config(params.models.unet.model_dump())
+    key = repr(sorted(config.items()))
+    if key not in _SEEDED:
+        _SEEDED[key] = build_unet(config, seed=0)
+    unet = copy.deepcopy(_SEEDED[key]).to(device).train()
     if ckpt:
         unet.enable_gradient_checkpointing()
     if channels_last:
@@ -77,15 +87,20 @@ class _Embeddings(torch.nn.Module):
         return (self.cond,)
 
 
-def _ours(params, device, batch, ckpt):
-    """A Trainer with the real step methods, built without data or files."""
+def _ours(params, device, batch, ckpt, channels_last=None, compile_=False):
+    """A Trainer with the real step methods, built without data or files (``compile_``: ``torch.compile`` the UNet)."""
     tr = Trainer.__new__(Trainer)
     tr.params, tr.phase_name = params, "bench"
     tr.phase = next(iter(params.phases.values()))
-    tr.cfg = params.train.model_copy(update={"gradient_checkpointing": ckpt})
+    update = {"gradient_checkpointing": ckpt}
+    if channels_last is not None:
+        update["channels_last"] = channels_last
+    tr.cfg = params.train.model_copy(update=update)
     tr.dist = Dist(rank=0, world=1, local_rank=0, device=device)
     tr.scheduler = noise_scheduler(params.models.noise.model_dump())
     tr.unet = tr.model = _build_unet(params, device, ckpt, tr.cfg.channels_last)
+    if compile_:
+        tr.model = torch.compile(tr.unet)
     d = params.models.unet.cross_attention_dim
     tr.text_encoder = _Embeddings(torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device))
     tr.uncond = torch.zeros(1, 77, d, device=device)
@@ -179,55 +194,153 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(params, device, batch, ckpt, warmup, steps, rounds) -> dict:
-    """Alternate ours/plain for ``rounds``; return img/s (median step), peak memory per variant."""
+@dataclass(frozen=True)
+class Variant:
+    """One measured configuration: ``ours`` (with its switches) or ``plain`` at a batch size."""
+
+    name: str
+    batch: int
+    ckpt: bool
+    channels_last: bool = False
+    compile: bool = False
+
+    def label(self) -> str:
+        """``ours b=32 ckpt=on cl=off compile=on``."""
+        onoff = {True: "on", False: "off"}
+        return (
+            f"{self.name:5} b={self.batch:<3} ckpt={onoff[self.ckpt]:3} cl={onoff[self.channels_last]:3} "
+            f"compile={onoff[self.compile]:3}"
+        )
+
+
+@dataclass
+class Row:
+    """A variant's step times, peak memory, and why it stopped if it failed (OOM, compile error)."""
+
+    times: list[float] = field(default_factory=list)
+    peak_gib: float = 0.0
+    failed: str | None = None
+
+    def img_s(self, batch: int) -> float:
+        """Images per second from the median timed step (0 if none)."""
+        return batch / statistics.median(self.times) if self.times else 0.0
+
+
+def _make_step(params, device, v: Variant):
+    if v.name == "plain":
+        return _plain(params, device, v.batch, v.ckpt)
+    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile)
+
+
+def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row) -> None:
+    """Build ``v`` on a fresh model, warm up, time ``steps`` steps into ``row``; failures end up in ``row.failed``."""
     spec = params.models.unet
-    latents = torch.randn(batch, spec.in_channels, spec.sample_size, spec.sample_size)
-    times: dict[str, list[float]] = {"ours": [], "plain": []}
-    peak: dict[str, float] = {"ours": 0.0, "plain": 0.0}
-    for _ in range(rounds):
-        for name, make in (("ours", _ours), ("plain", _plain)):
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            _reset_peak(device)
-            torch.manual_seed(0)
-            step = make(params, device, batch, ckpt)
-            for _ in range(warmup):
-                step(latents)
+    latents = torch.randn(v.batch, spec.in_channels, spec.sample_size, spec.sample_size)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _reset_peak(device)
+    torch.manual_seed(0)
+    try:
+        step = _make_step(params, device, v)
+        for _ in range(warmup):
+            step(latents)
+        _sync(device)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step(latents)
             _sync(device)
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step(latents)
-                _sync(device)
-                times[name].append(time.perf_counter() - t0)
-            peak[name] = max(peak[name], _peak_gib(device))
-            del step
-    return {name: (batch / statistics.median(t), peak[name]) for name, t in times.items()}
+            row.times.append(time.perf_counter() - t0)
+        row.peak_gib = max(row.peak_gib, _peak_gib(device))
+    except Exception as err:  # noqa: BLE001 - OOM, a compile error: recorded in the table, the sweep goes on
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        row.failed = "OOM" if isinstance(err, torch.OutOfMemoryError) else f"{type(err).__name__}: {first[:120]}"
+    finally:
+        step = None
+        gc.collect()
 
 
-def main(argv: list[str] | None = None) -> None:
+def measure(params, device, variants: list[Variant], warmup, steps, rounds) -> dict[Variant, Row]:
+    """Alternate the variants for ``rounds`` (a failed one is not retried); their rows."""
+    rows = {v: Row() for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            if rows[v].failed is None:
+                _time_variant(params, device, v, warmup, steps, rows[v])
+    return rows
+
+
+def sweep(batches, ckpts, cls, compiles) -> list[Variant]:
+    """Per (batch, checkpointing): the plain loop, then ours for every channels_last × compile setting."""
+    out = []
+    for batch in batches:
+        for ckpt in ckpts:
+            out.append(Variant("plain", batch, ckpt))
+            out += [Variant("ours", batch, ckpt, cl, comp) for cl in cls for comp in compiles]
+    return out
+
+
+def _report(rows: dict[Variant, Row], flops: float, peak_tflops: float | None) -> None:
+    for v, row in rows.items():
+        if row.failed:
+            print(f"  {v.label()}: failed ({row.failed})")
+            continue
+        img_s = row.img_s(v.batch)
+        mfu = f"{img_s * flops / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
+        plain = rows.get(Variant("plain", v.batch, v.ckpt))
+        vs = f"  x{img_s / plain.img_s(v.batch):.3f} plain" if plain and plain.times and v.name == "ours" else ""
+        print(f"  {v.label()}: {img_s:9.2f} img/s  peak {row.peak_gib:6.2f} GiB  MFU {mfu}{vs}")
+
+
+def best_pair(rows: dict[Variant, Row]) -> tuple[Variant, Variant] | None:
+    """The fastest ``ours`` variant and the plain loop at its batch and checkpointing (both measured)."""
+    pairs = []
+    for v, row in rows.items():
+        plain = Variant("plain", v.batch, v.ckpt)
+        if v.name == "ours" and row.times and rows.get(plain) and rows[plain].times:
+            pairs.append((row.img_s(v.batch), v, plain))
+    if not pairs:
+        return None
+    _, ours, plain = max(pairs, key=lambda t: t[0])
+    return ours, plain
+
+
+def _onoff(value: str | None, default: str) -> list[bool]:
+    return {"off": [False], "on": [True], "both": [False, True]}[value or default]
+
+
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 3 steps (demo: batch 8); under a minute on CPU")
     ap.add_argument("--config", choices=sorted(CONFIGS), help="default: full on CUDA, demo on CPU")
-    ap.add_argument("--batch", type=int, help="default: 24 for full, the config's phase-1 batch (32) for demo")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--batch", help="comma-separated batch sizes (default: 24 for full, 32 for demo; quick 8)")
     ap.add_argument("--ckpt", choices=["off", "on", "both"], help="gradient checkpointing; default: both on CUDA")
+    ap.add_argument("--channels-last", choices=["off", "on", "both"], help="ours; default: the config's train value")
+    ap.add_argument("--compile", choices=["off", "on", "both"], default="off", help="torch.compile ours (default off)")
     ap.add_argument("--steps", type=int, help="timed steps per round")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--peak-tflops", type=float, help=f"for MFU; default {H100_BF16_DENSE_TFLOPS:g} on CUDA")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     config = args.config or ("full" if cuda else "demo")
     params = _load(config)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = params.train.tf32
         torch.backends.cudnn.allow_tf32 = params.train.tf32
-    batch = args.batch or (
-        24 if config == "full" else 8 if args.quick else next(iter(params.phases.values())).batch_size
+    default_batch = 24 if config == "full" else 8 if args.quick else next(iter(params.phases.values())).batch_size
+    batches = [int(b) for b in args.batch.split(",")] if args.batch else [default_batch]
+    variants = sweep(
+        batches,
+        _onoff(args.ckpt, "both" if cuda else "off"),
+        _onoff(args.channels_last, "on" if params.train.channels_last else "off"),
+        _onoff(args.compile, "off"),
     )
-    ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.ckpt or ("both" if cuda else "off")]
     steps = args.steps or (3 if args.quick else 15)
     rounds = args.rounds or (1 if args.quick else 3)
     warmup = 1 if args.quick else 3
@@ -239,35 +352,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {where}; load {load_average()}; torch {torch.__version__}")
     print(
         f"config: {config} UNet {list(spec.block_out_channels)} at {spec.sample_size}x{spec.sample_size} latents, "
-        f"batch {batch}, {dtype}; {rounds} round(s) x {steps} timed steps after {warmup} warm-up, per variant"
+        f"{dtype}; {len(variants)} variants; {rounds} round(s) x {steps} timed steps after {warmup} warm-up each"
     )
     print(f"FLOPs per training sample (counted): {flops / 1e12:.4g} TFLOP", end="")
     print(f" (issue's SD1.5 estimate {SD15_TFLOP_PER_SAMPLE_64} TFLOP)" if config == "full" else "")
     print(f"MFU peak: {f'{peak_tflops:g} TFLOP/s' if peak_tflops else 'none on CPU (MFU not reported)'}")
-    first = None
-    for ckpt in ckpts:
-        res = measure(params, device, batch, ckpt, warmup, steps, rounds)
-        for name, (img_s, mem) in res.items():
-            mfu = f"{img_s * flops / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
-            print(
-                f"  ckpt={'on' if ckpt else 'off':3} {name:5}: {img_s:9.2f} img/s  peak mem {mem:6.2f} GiB  MFU {mfu}"
-            )
-        ratio = res["ours"][0] / res["plain"][0]
-        print(f"  ckpt={'on' if ckpt else 'off':3} ours/plain: {ratio:.3f}")
-        first = first or (ckpt, res, ratio)
-    ckpt, res, ratio = first
+    rows = measure(params, device, variants, warmup, steps, rounds)
+    _report(rows, flops, peak_tflops)
+    pair = best_pair(rows)
+    if pair is None:
+        print(result_line("train_step", 0.0, ok=False, device=device.type, config=config, machine=where))
+        return
+    ours, plain = pair
+    o, p = rows[ours], rows[plain]
     print(
         result_line(
             "train_step",
-            ratio,
-            ours_img_s=res["ours"][0],
-            plain_img_s=res["plain"][0],
-            ours_peak_gib=res["ours"][1],
-            plain_peak_gib=res["plain"][1],
+            o.img_s(ours.batch) / p.img_s(plain.batch),
+            ours_img_s=o.img_s(ours.batch),
+            plain_img_s=p.img_s(plain.batch),
+            ours_peak_gib=o.peak_gib,
+            plain_peak_gib=p.peak_gib,
+            mfu=o.img_s(ours.batch) * flops / (peak_tflops * 1e12) if peak_tflops else 0.0,
             device=device.type,
             config=config,
-            batch=batch,
-            ckpt="on" if ckpt else "off",
+            batch=ours.batch,
+            ckpt="on" if ours.ckpt else "off",
+            channels_last="on" if ours.channels_last else "off",
+            compile="on" if ours.compile else "off",
             machine=where,
         )
     )
