@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU session's one command: install the carried wheels offline, then run each step under its own time
+# limit, logs and RESULT lines under $OUT, a summary table last.
+#
+#   device run:  bash bench/gpu/run.sh            (carry: [".gpu-wheels"]; pack them first: bench/gpu/pack.sh)
+#   rehearsal:   bash bench/gpu/run.sh --device cpu --quick
+#
+# Options: --device cuda|cpu (default cuda), --quick (tiny models, CPU-sized steps), --budget SECONDS (default 540:
+# a step that would not end inside it is left for the next call), --wheels DIR (default .gpu-wheels), --redo
+# (forget earlier calls' steps). Finished steps are recorded in .gpu-state/ (git-ignored; it survives between calls
+# while the machine stays warm), so a second call picks up where the first stopped. Files under $OUT (default
+# ./gpu-out): summary.txt, results.txt (every RESULT line), logs.tar.gz (every step's log).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+device=cuda quick=0 budget=540 wheels=.gpu-wheels
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=$2; shift ;;
+    --quick) quick=1 ;;
+    --budget) budget=$2; shift ;;
+    --wheels) wheels=$2; shift ;;
+    --redo) rm -rf .gpu-state ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+OUT=${OUT:-$PWD/gpu-out}
+state=.gpu-state
+mkdir -p "$OUT" "$state"
+py=${PYTHON:-python3}
+start=$(date +%s)
+export PYTHONUNBUFFERED=1 SDFORGE_PROGRESS=0 PYTHONDONTWRITEBYTECODE=1
+
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  site=/tmp/sdforge-site
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$wheels"/*.whl || { echo "installing the carried wheels failed" >&2; exit 3; }
+  export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "no wheels in $wheels: using the interpreter's packages"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+{
+  echo "== machine: $(date -u +%FT%TZ), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$py" -c 'import sys, torch, transformers, diffusers, pydantic
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN",
+      torch.backends.cudnn.version(), f"transformers {transformers.__version__}, diffusers {diffusers.__version__},",
+      f"pydantic {pydantic.__version__}; cuda available: {torch.cuda.is_available()}",
+      f"({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")'
+} 2>&1 | tee "$state/machine.log"
+
+if [ "$quick" = 1 ]; then
+  cfg="--config demo --device $device --quick"
+  steps=(
+    "tests|150|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
+    "train_check|300|$py -m bench.gpu.train_check --quick"
+    "train_step|300|$py -m bench.train_step $cfg --batch 8 --ckpt off"
+    "encode|300|$py -m bench.encode_pipeline --quick --vae demo --device $device"
+  )
+else
+  full="--config full --device $device --rounds 1 --steps 8"
+  steps=(
+    "tests|150|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
+    "train_check|330|$py -m bench.gpu.train_check"
+    "train_step|300|$py -m bench.train_step $full --batch 24,32,48,64 --ckpt both --channels-last both"
+    "encode|240|$py -m bench.encode_pipeline --vae sd --size 512 --device $device --rounds 3"
+    "train_compile|400|$py -m bench.train_step $full --batch 32 --ckpt both --channels-last off --compile on"
+  )
+fi
+if grep -q preflight tools/cli.py 2>/dev/null; then
+  steps+=("preflight|400|$py -m tools.cli preflight --device $device")
+fi
+
+for entry in "${steps[@]}"; do
+  IFS='|' read -r name limit cmd <<<"$entry"
+  if [ -f "$state/$name.rc" ]; then
+    echo "== $name: done in an earlier call (rc $(cat "$state/$name.rc"))"
+    continue
+  fi
+  elapsed=$(( $(date +%s) - start ))
+  if [ $((elapsed + limit)) -gt "$budget" ]; then
+    echo "== $name: left for the next call (${elapsed}s used, limit ${limit}s, budget ${budget}s)"
+    continue
+  fi
+  echo "== $name (limit ${limit}s): $cmd"
+  t0=$(date +%s)
+  timeout -k 15 "$limit" $cmd >"$state/$name.log" 2>&1
+  rc=$?
+  echo "$rc $(( $(date +%s) - t0 ))" >"$state/$name.rc"
+  tail -n 25 "$state/$name.log"
+  echo "== $name: rc $rc in $(( $(date +%s) - t0 ))s$([ $rc = 124 ] && echo ' (timed out)')"
+done
+
+# every figure so far (this call and earlier ones), then the summary table as the last output
+grep -h '^RESULT' "$state"/*.log >"$OUT/results.txt" 2>/dev/null
+{
+  echo "== summary ($(date -u +%FT%TZ)); $(sed -n 2,3p "$state/machine.log" | tr '\n' ' ')"
+  printf '%-14s %-6s %-7s %s\n' step rc seconds result
+  for entry in "${steps[@]}"; do
+    IFS='|' read -r name _ _ <<<"$entry"
+    if [ -f "$state/$name.rc" ]; then
+      read -r rc secs <"$state/$name.rc"
+      printf '%-14s %-6s %-7s %s\n' "$name" "$rc" "$secs" "$(grep -h '^RESULT' "$state/$name.log" | tail -1)"
+      grep -E '^  (ours|plain) ' "$state/$name.log" | sed 's/^/    /'
+      grep -E '(passed|failed|skipped|error)' "$state/$name.log" | grep -E '^=|^[0-9]+ ' | tail -1 | sed 's/^/    /'
+    else
+      printf '%-14s %-6s %-7s %s\n' "$name" - - "not run yet: run this command again"
+    fi
+  done
+} | tee "$OUT/summary.txt"
+tar -czf "$OUT/logs.tar.gz" "$state"/*.log 2>/dev/null
