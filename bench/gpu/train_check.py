@@ -39,18 +39,6 @@ from bench.gpu import workspace
 from sdforge.training.checkpoints import CheckpointError, checkpoint_dirs, verify_checkpoint
 from sdforge.training.step_log import read_steps
 
-TINY_UNET = {
-    "sample_size": 8,
-    "block_out_channels": [16, 32],
-    "layers_per_block": 1,
-    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-    "cross_attention_dim": 32,
-    "attention_head_dim": 4,
-    "norm_num_groups": 8,
-}
-"""``--quick``'s UNet (CPU rehearsal of the same code path)."""
-
 
 def plan(quick: bool, steps: int | None, batch: int | None) -> dict:
     """Steps, batch, checkpoint interval and kill step of the check (one epoch; the kill lands between checkpoints)."""
@@ -58,7 +46,7 @@ def plan(quick: bool, steps: int | None, batch: int | None) -> dict:
     steps = steps or (40 if quick else 120)
     save = max(1, steps // 4)
     return {
-        "unet": TINY_UNET if quick else workspace.full_unet(),
+        "unet": workspace.TINY_UNET if quick else workspace.full_unet(),
         "samples": batch * steps,
         # keep one checkpoint (+ the one being written): a full-size one is ~14 GB, the GPU machine has 64 GB of disk
         "train": {"save_steps": save, "keep_last": 1, "keep_best": False, "log_every": 10, "deterministic": True},

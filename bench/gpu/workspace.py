@@ -26,6 +26,17 @@ FULL_PARAMS = REPO / "configs/full/params.yaml"
 DEMO_PARAMS = REPO / "params.yaml"
 SOURCE = "laion"
 PHASE = "phase1"
+TINY_UNET = {
+    "sample_size": 8,
+    "block_out_channels": [16, 32],
+    "layers_per_block": 1,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 32,
+    "attention_head_dim": 4,
+    "norm_num_groups": 8,
+}
+"""A tiny UNet on 8×8 latents: the train check's ``--quick`` (CPU rehearsal) and the tests' tiny workspaces."""
 
 
 def full_unet() -> dict:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from bench._common import result_line
 from bench.gpu import workspace
-from bench.gpu.train_check import TINY_UNET, plan
+from bench.gpu.train_check import plan
+from bench.gpu.workspace import TINY_UNET
 from sdforge.config import parse_params
 
 

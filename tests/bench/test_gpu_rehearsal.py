@@ -50,6 +50,12 @@ def _copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
+def _run_sh(repo: Path, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """``bench/gpu/run.sh --device cpu --quick`` in the copied repo."""
+    cmd = ["bash", "bench/gpu/run.sh", "--device", "cpu", "--quick"]
+    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_run_sh_passes_on_the_gpu_package_set_plus_packed_wheels(tmp_path):
     repo, venv, out = tmp_path / "repo", tmp_path / "venv", tmp_path / "out"
     _copy_tree(repo)
@@ -69,14 +75,7 @@ def test_run_sh_passes_on_the_gpu_package_set_plus_packed_wheels(tmp_path):
     assert "of 64 MiB" in packed.stdout
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PYTHON=str(py), OUT=str(out), PATH=f"{venv / 'bin'}:{env['PATH']}")
-    run = subprocess.run(
-        ["bash", "bench/gpu/run.sh", "--device", "cpu", "--quick"],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = _run_sh(repo, env, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
     rows = {line.split()[0]: line.split()[1] for line in summary.splitlines()[2:] if line and not line.startswith(" ")}
@@ -85,12 +84,5 @@ def test_run_sh_passes_on_the_gpu_package_set_plus_packed_wheels(tmp_path):
     assert [line.split()[1] for line in results] == ["name=encode_pipeline", "name=train_check", "name=train_step"]
     assert "ok=true" in next(r for r in results if "train_check" in r) and "resumed_bit_identical=true" in summary
     assert "transformers 5.17.0" in summary and "skipped" in summary  # the image's transformers; gpu tests skip on CPU
-    again = subprocess.run(
-        ["bash", "bench/gpu/run.sh", "--device", "cpu", "--quick"],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = _run_sh(repo, env, timeout=300)
     assert again.returncode == 0 and again.stdout.count("done in an earlier call") == 4, again.stdout[-3000:]

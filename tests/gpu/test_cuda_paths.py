@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu import workspace
-from bench.gpu.train_check import TINY_UNET
+from bench.gpu.workspace import TINY_UNET
 from model.builders import build_unet, unet_config
 from model.diffusion import TrainingEMA
 from sdforge.config import Train
