@@ -7,6 +7,7 @@
 #   make stack-down   stop the worker (SIGINT first), then MLflow, the server, S3
 #   make run-phase PHASE=phase7   run a deployment through the stack and watch it
 #   make mlflow-ui    MLflow UI on http://127.0.0.1:5000 over sqlite:///mlflow.db
+#   make preflight    the full config's whole DAG on a small sample, real architectures; forecast (~30 min CPU)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -16,6 +17,8 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 IMG2DATASET := img2dataset==1.47.0
+# --no-deps: we read only its CLIP BPE merges file (sdforge/architectures); its deps would pull torchvision.
+OPEN_CLIP := open-clip-torch==3.3.0
 PHASE ?= phase7
 
 # The interpreter the venv is built from: python3.11 if present, else python3 (checked: 3.11 or 3.12).
@@ -34,7 +37,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -54,6 +57,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install $(TORCH)
 	$(PY) -m pip install -e '.[test]'
 	$(PY) -m pip install --no-deps $(IMG2DATASET)
+	$(PY) -m pip install --no-deps $(OPEN_CLIP)
 	@if $(PY) -m pip show -q dataclasses >/dev/null 2>&1; then $(PY) -m pip uninstall -y dataclasses; fi
 	@touch $@
 
@@ -68,6 +72,10 @@ demo: venv
 	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(PY) -m tools.report
+
+# PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
+preflight: venv
+	$(PY) -m tools.preflight $(PREFLIGHT_ARGS)
 
 lint: venv
 	ruff check .

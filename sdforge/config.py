@@ -444,6 +444,12 @@ class Models(Section):
     source: Literal["build", "pretrained"] = "build"
     vae: Url = "stabilityai/sd-vae-ft-mse"
     text_encoder: Url = "openai/clip-vit-large-patch14"
+    missing_weights: Literal["error", "random"] = "error"
+    """With ``source: pretrained``, what to do when the ``vae`` / ``text_encoder`` weights are neither a local
+    folder nor in the local Hugging Face cache: ``error`` (a clear error naming the id), or ``random``: build
+    the real architecture from ``sdforge/architectures`` with seeded random weights (``seed``) and CLIP's real
+    tokenizer. For ``sdforge preflight`` only, never for a real run: random frozen models give meaningless
+    latents and text embeddings."""
     vae_build: VaeBuild = VaeBuild()
     text_encoder_build: TextEncoderBuild = TextEncoderBuild()
     unet: UNetSpec = UNetSpec()
@@ -508,7 +514,7 @@ class Train(Section):
     rdzv_endpoint: Url | None = None
     """``host:port`` of the rendezvous (required when nnodes > 1)."""
     mixed_precision: Literal["no", "bf16"] = "bf16"
-    """bf16 autocast on CUDA; CPU always trains in fp32."""
+    """bf16 autocast on CUDA, and on a CPU with native bf16 (AVX512-BF16/AMX); fp32 elsewhere."""
     tf32: bool = True
     """Allow TF32 matmuls/convolutions on CUDA."""
     text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"

@@ -15,7 +15,10 @@ Writes (each with ``save_pretrained``, safetensors)::
 
 ``models.source: pretrained`` loads the VAE and text encoder + tokenizer with ``from_pretrained``
 (hub ids at full scale; local folders work the same) and re-saves them, pinning the snapshot
-under DVC. ``models.source: build`` (the demo) makes a tokenizer whose vocabulary holds every
+under DVC. With ``models.missing_weights: random`` (``sdforge preflight`` only) a component that no local
+folder or Hugging Face cache holds is built instead (:mod:`sdforge.architectures`: the real architecture,
+seeded random weights, CLIP's real tokenizer); metrics ``vae_weights`` / ``text_encoder_weights`` say
+``pretrained`` or ``random``. ``models.source: build`` (the demo) makes a tokenizer whose vocabulary holds every
 demo word as one token, a seeded tiny text encoder, and a tiny VAE trained here on freshly
 rendered demo shapes (:mod:`sdforge.demo.models`).
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,7 @@ from model.builders import (
     vae_downsample_factor,
 )
 from model.sampler import encode_prompts
+from sdforge.architectures import build_random_text_encoder, build_random_vae, write_clip_tokenizer
 from sdforge.config import SCRATCH, ConfigError, DemoData, Eval, Models, Params
 from sdforge.demo.models import build_demo_components
 from sdforge.io import stage_cli, write_json
@@ -51,6 +56,8 @@ log = logging.getLogger(__name__)
 VAE, TEXT_ENCODER, TOKENIZER, SCHEDULER = "vae", "text_encoder", "tokenizer", "scheduler"
 UNCOND_EMBEDDING = "uncond_embedding.safetensors"
 UNET, UNET_EMA, STATE = "unet", "unet_ema", "state.json"
+MIN_BPE_TOKENS = 256
+"""A byte-level BPE vocabulary holds at least the 256 byte characters; fewer: no tokenizer files were found."""
 
 
 def check_cross_attention(unet_cross_attention_dim: int, text_hidden_size: int) -> None:
@@ -76,13 +83,42 @@ def _publish(tmp: Path, path: Path) -> None:
     tmp.rename(path)
 
 
-def _load_pretrained_components(models: Models, out: Path) -> tuple[CLIPTokenizer, CLIPTextModel, AutoencoderKL]:
-    """Full scale: the hub (or local) VAE, CLIP text encoder and tokenizer, via ``from_pretrained``."""
-    text_encoder = CLIPTextModel.from_pretrained(models.text_encoder)
+def _from_pretrained(load: Callable[..., Any], key: str, name: str, local_only: bool) -> Any | None:
+    """``load(name)``. ``local_only`` (``missing_weights: random``): local files only, and None with a WARNING
+    when no local folder or cache holds them; otherwise a :class:`ConfigError` naming ``models.<key>``."""
+    try:
+        loaded = load(name, local_files_only=True) if local_only else load(name)
+        if isinstance(loaded, CLIPTokenizer) and len(loaded) < MIN_BPE_TOKENS:  # transformers 5 does not raise
+            raise OSError(f"no tokenizer files (from_pretrained gave a {len(loaded)}-token placeholder)")
+        return loaded
+    except (OSError, ValueError) as err:
+        if not local_only:
+            raise ConfigError(f"models.{key}: cannot load {name!r} with from_pretrained: {err} "
+                              "(models.missing_weights: random builds a random stand-in, for preflight only)") from err
+        log.warning("models.%s: %r is not on this machine (%s); models.missing_weights: random builds its "
+                    "architecture with random weights: fine for a preflight, never for a real run", key, name, err)
+        return None
+
+
+def _load_pretrained_components(
+    models: Models, out: Path, metrics: dict[str, Any]
+) -> tuple[CLIPTokenizer, CLIPTextModel, AutoencoderKL]:
+    """Full scale: the hub (or local) VAE, CLIP text encoder and tokenizer, via ``from_pretrained``; with
+    ``missing_weights: random``, seeded random stand-ins for those not on this machine."""
+    local_only = models.missing_weights == "random"
+    text_encoder = _from_pretrained(CLIPTextModel.from_pretrained, TEXT_ENCODER, models.text_encoder, local_only)
+    metrics["text_encoder_weights"] = "random" if text_encoder is None else "pretrained"
+    if text_encoder is None:
+        text_encoder = build_random_text_encoder(models.text_encoder, models.seed)
     check_cross_attention(models.unet.cross_attention_dim, text_encoder.config.hidden_size)
-    tokenizer = CLIPTokenizer.from_pretrained(models.text_encoder)
-    tokenizer.save_pretrained(out / TOKENIZER)
-    return tokenizer, text_encoder, AutoencoderKL.from_pretrained(models.vae)
+    tokenizer = _from_pretrained(CLIPTokenizer.from_pretrained, TEXT_ENCODER, models.text_encoder, local_only)
+    if tokenizer is None:
+        tokenizer = write_clip_tokenizer(out / TOKENIZER, text_encoder.config.max_position_embeddings)
+    else:
+        tokenizer.save_pretrained(out / TOKENIZER)
+    vae = _from_pretrained(AutoencoderKL.from_pretrained, VAE, models.vae, local_only)
+    metrics["vae_weights"] = "random" if vae is None else "pretrained"
+    return tokenizer, text_encoder, build_random_vae(models.vae, models.seed) if vae is None else vae
 
 
 def save_uncond_embedding(tokenizer: CLIPTokenizer, text_encoder: CLIPTextModel, path: Path) -> torch.Tensor:
@@ -110,7 +146,7 @@ def run(
         check_cross_attention(models.unet.cross_attention_dim, models.text_encoder_build.hidden_size)
         tokenizer, text_encoder, vae = build_demo_components(models, demo, eval_, out / TOKENIZER, metrics)
     else:
-        tokenizer, text_encoder, vae = _load_pretrained_components(models, out)
+        tokenizer, text_encoder, vae = _load_pretrained_components(models, out, metrics)
 
     vae.save_pretrained(out / VAE, safe_serialization=True)
     text_encoder.save_pretrained(out / TEXT_ENCODER, safe_serialization=True)

@@ -208,3 +208,75 @@ def test_cli_writes_metrics_and_logs_to_mlflow(demo_params, tmp_path):
     (run,) = [r for r in runs if r.data.tags.get("sdforge.stage") == "prepare_models"]
     assert run.data.metrics["unet_params"] == metrics["unet_params"]
     assert run.data.params["models.source"] == "build"
+
+
+@pytest.fixture
+def empty_hub(monkeypatch, tmp_path):
+    """An empty Hugging Face cache, offline (huggingface_hub reads both at import: patch its constants too)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
+
+
+def test_missing_weights_random_builds_the_real_vae_clip_l_and_tokenizer(empty_hub, tmp_path, caplog):
+    """The full-scale ids with nothing cached: the real architectures, seeded random weights (preflight)."""
+    models = tiny_models(source="pretrained", missing_weights="random", unet={**TINY_UNET, "cross_attention_dim": 768})
+    assert (models.vae, models.text_encoder) == ("stabilityai/sd-vae-ft-mse", "openai/clip-vit-large-patch14")
+    with caplog.at_level("WARNING", logger="stages.prepare_models"):
+        metrics = prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "'stabilityai/sd-vae-ft-mse' is not on this machine" in warned and "never for a real run" in warned
+    assert metrics["vae_weights"] == "random" and metrics["text_encoder_weights"] == "random"
+    assert metrics["vae_params"] == 83_653_863 and metrics["vae_scaling_factor"] == pytest.approx(0.18215)
+    assert metrics["vae_downsample"] == 8 and metrics["pixel_size"] == 64
+    assert metrics["text_encoder_params"] == 123_060_480 and metrics["text_hidden_size"] == 768
+    assert metrics["tokenizer_vocab_size"] == 49408 and metrics["tokenizer_max_length"] == 77
+
+    out = tmp_path / "models"
+    tok = CLIPTokenizer.from_pretrained(out / "tokenizer")
+    assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    te = CLIPTextModel.from_pretrained(out / "text_encoder")
+    assert te.config.vocab_size == 49408 and te.config.eos_token_id == 49407
+    vae = AutoencoderKL.from_pretrained(out / "vae")
+    assert list(vae.config.block_out_channels) == [128, 256, 512, 512]
+    assert load_file(out / prepare_models.UNCOND_EMBEDDING)["uncond"].shape == (1, 77, 768)
+    unet = UNet2DConditionModel.from_pretrained(tmp_path / "scratch/unet")
+    assert unet.config.cross_attention_dim == 768
+
+
+def _local_clip(built_root: Path, folder: Path) -> Path:
+    """The demo tokenizer + text encoder in one folder, as a hub snapshot holds them."""
+    CLIPTokenizer.from_pretrained(built_root / "models/tokenizer").save_pretrained(folder)
+    CLIPTextModel.from_pretrained(built_root / "models/text_encoder").save_pretrained(folder)
+    return folder
+
+
+def test_missing_weights_random_keeps_the_weights_that_are_local(built, empty_hub, tmp_path):
+    """A local text encoder folder is loaded as before; only the VAE that is nowhere is built randomly."""
+    local_clip = _local_clip(built[0], tmp_path / "clip")
+    models = tiny_models(source="pretrained", missing_weights="random", text_encoder=str(local_clip))
+    metrics = prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
+    assert metrics["text_encoder_weights"] == "pretrained" and metrics["vae_weights"] == "random"
+    assert metrics["text_hidden_size"] == TINY_TEXT["hidden_size"]
+    assert metrics["tokenizer_vocab_size"] == len(CLIPTokenizer.from_pretrained(local_clip))
+    assert metrics["vae_params"] == 83_653_863
+    saved = load_file(tmp_path / "models/text_encoder/model.safetensors")
+    original = load_file(local_clip / "model.safetensors")
+    assert saved.keys() == original.keys() and all(torch.equal(v, original[k]) for k, v in saved.items())
+
+
+def test_missing_weights_random_without_a_stored_architecture_names_the_key(built, empty_hub, tmp_path):
+    models = tiny_models(source="pretrained", missing_weights="random", vae="sdforge-test/no-such-vae",
+                         text_encoder=str(_local_clip(built[0], tmp_path / "clip")))
+    with pytest.raises(ConfigError, match=r"^models\.vae: .*'sdforge-test/no-such-vae'.*stabilityai/sd-vae-ft-mse"):
+        prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
+
+
+def test_missing_weights_error_is_the_default_and_names_the_missing_id(empty_hub, tmp_path):
+    models = tiny_models(source="pretrained", text_encoder="sdforge-test/no-such-clip")
+    assert models.missing_weights == "error"
+    expected = r"(?s)^models\.text_encoder: cannot load 'sdforge-test/no-such-clip'.*missing_weights: random"
+    with pytest.raises(ConfigError, match=expected):
+        prepare_models.run(models, DEMO, EVAL, tmp_path / "models", tmp_path / "scratch")
