@@ -181,7 +181,13 @@ def diffusiondb_zip(cfg: DemoData, rng: np.random.Generator) -> bytes:
             "st": int(rng.choice([25, 30, 50])),
             "sa": str(rng.choice(SAMPLERS)),
         }
-    entries[f"{ARCHIVE_PART}.json"] = json.dumps(mapping, sort_keys=True).encode()
+    return diffusiondb_part_bytes(entries, ARCHIVE_PART, mapping)
+
+
+def diffusiondb_part_bytes(images: dict[str, bytes], part: str, mapping: dict[str, dict[str, Any]]) -> bytes:
+    """The bytes of DiffusionDB zip part ``part``: ``images`` and ``<part>.json`` (``mapping``: file name →
+    ``{p, se, c, st, sa}``), members sorted with fixed dates, images stored, the JSON deflated."""
+    entries = {**images, f"{part}.json": json.dumps(mapping, sort_keys=True).encode()}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         for name in sorted(entries):
