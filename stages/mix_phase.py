@@ -19,21 +19,11 @@ import polars as pl
 
 from sdforge.config import Params, Phase
 from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
+from sdforge.latents.mix import split_counts
 from sdforge.latents.store import MANIFEST
 from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
-
-
-def split_counts(mix: dict[str, float], total: int) -> dict[str, int]:
-    """Integer sample counts per source summing exactly to ``total`` (largest remainder, ties by name)."""
-    raw = {name: frac * total for name, frac in mix.items()}
-    counts = {name: int(np.floor(v)) for name, v in raw.items()}
-    short = total - sum(counts.values())
-    by_remainder = sorted(raw, key=lambda n: (-(raw[n] - counts[n]), n))
-    for name in by_remainder[:short]:
-        counts[name] += 1
-    return counts
 
 
 def requested_counts(phase_name: str, phase: Phase) -> dict[str, int]:

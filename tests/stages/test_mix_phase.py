@@ -6,7 +6,8 @@ from pydantic import ValidationError
 
 from sdforge.config import Phase
 from sdforge.io import InputError
-from stages.mix_phase import build_index, index_digest, requested_counts, run, split_counts
+from sdforge.latents.mix import smallest_total, split_counts
+from stages.mix_phase import build_index, index_digest, requested_counts, run
 
 
 def _manifest(source, n):
@@ -28,6 +29,15 @@ def _phase(**kw):
 def test_split_counts_sum_exactly():
     assert split_counts({"a": 0.37, "b": 0.44, "c": 0.09, "d": 0.10}, 572) == {"a": 212, "b": 252, "c": 51, "d": 57}
     assert sum(split_counts({"x": 1 / 3, "y": 1 / 3, "z": 1 / 3}, 10).values()) == 10
+
+
+def test_smallest_total_gives_every_source_a_sample():
+    final_mix = {"laion_hq": 0.37, "diffusiondb": 0.22, "journeydb": 0.22, "vggface2": 0.09, "coco": 0.10}
+    assert smallest_total(final_mix, 2) == 6  # 2, 1, 1, 1, 1 (largest remainders: not monotonic in the total)
+    assert split_counts(final_mix, 6) == {"laion_hq": 2, "diffusiondb": 1, "journeydb": 1, "vggface2": 1, "coco": 1}
+    assert split_counts(final_mix, 8)["vggface2"] == 0 and smallest_total(final_mix, 4) == 12
+    assert smallest_total({"a": 0.42, "b": 0.58}, 2) == 2
+    assert smallest_total({"a": 1.0}, 3) == 3
 
 
 def test_index_composition_and_determinism():
