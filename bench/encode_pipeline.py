@@ -7,8 +7,8 @@ shards + manifest parts written) on ``--images`` synthetic JPEGs in WebDataset t
 is the stage's ``images_per_second`` (first tar read to last shard written). ``stage_img_s`` adds
 the stage's fixed start-up and finish (loading and fingerprinting the VAE and tokenizer, listing,
 the final manifest), which the demo's < 1 s of VAE work does not amortise.
-Baseline: the same VAE, batch size and device (bf16 autocast + channels_last on CUDA, fp32 on
-the CPU) encoding the same images already decoded into one tensor in device memory: the
+Baseline: the same VAE, batch size and device (bf16 autocast + channels_last on CUDA; bf16 on a CPU
+with native bf16, as the stage; fp32 otherwise) encoding the same images already decoded into one tensor in device memory: the
 throughput a pipeline would reach if input cost nothing. The two alternate, ``--rounds`` times.
 ratio = median over rounds of (ours / baseline) throughput (1.0: input cost fully hidden).
 
@@ -38,6 +38,7 @@ from bench._common import BENCH_DATA, machine, result_line
 from model.builders import build_tiny_vae
 from model.latents import encode_latents as vae_encode
 from model.latents import uint8_to_model_range
+from model.precision import uses_bf16_autocast
 from sdforge.config import load_params
 from sdforge.demo.models import write_demo_tokenizer
 from sdforge.ingest.shards import iter_samples, tar_bytes
@@ -108,7 +109,8 @@ def baseline(vae, images: torch.Tensor, batch_size: int, device: str, bf16: bool
     """Images per second of the bare VAE encode on pre-decoded tensors already on ``device``."""
     cuda = device == "cuda"
     x_all = uint8_to_model_range(images.to(device), channels_last=cuda)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and bf16 else contextlib.nullcontext()
+    on_bf16 = uses_bf16_autocast(torch.device(device), "bf16" if bf16 else "no")  # the stage's switch
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if on_bf16 else contextlib.nullcontext()
     out = []
     if cuda:
         torch.cuda.synchronize()

@@ -43,6 +43,7 @@ import torch
 from bench._common import load_average, machine, result_line
 from model.builders import build_unet, noise_scheduler, unet_config
 from model.diffusion import TrainingEMA, build_lr_scheduler
+from model.precision import uses_bf16_autocast
 from sdforge.config import load_params
 from sdforge.training.checkpoints import Progress
 from sdforge.training.distributed import Dist
@@ -134,7 +135,7 @@ def _plain(params, device, batch, ckpt):
     )
     ema = EMAModel(unet.parameters())
     ema.to(device)
-    bf16 = device.type == "cuda" and cfg.mixed_precision == "bf16"
+    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)  # the trainer's switch: both loops alike
 
     def step(latents):
         latents = latents.to(device)
@@ -145,7 +146,7 @@ def _plain(params, device, batch, ckpt):
             target = noise
         else:
             target = scheduler.get_velocity(latents, noise, timesteps)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             pred = unet(noisy, timesteps, cond).sample
         loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
         loss.backward()
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     warmup = 1 if args.quick else 3
     peak_tflops = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if cuda else None)
     where = machine() + (f", {torch.cuda.get_device_name(device)}" if cuda else "")
-    dtype = "bf16 autocast" if cuda and params.train.mixed_precision == "bf16" else "fp32"
+    dtype = "bf16 autocast" if uses_bf16_autocast(device, params.train.mixed_precision) else "fp32"
     spec = params.models.unet
     flops = flops_per_sample(params)
     print(f"machine: {where}; load {load_average()}; torch {torch.__version__}")

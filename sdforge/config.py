@@ -471,7 +471,7 @@ class Encode(Section):
     prefetch_shards: int = Field(2, ge=0)
     """Input tars read ahead of the one being decoded (downloaded ahead when the input is s3://)."""
     mixed_precision: Literal["no", "bf16"] = "bf16"
-    """bf16 autocast on CUDA; the CPU always encodes in fp32."""
+    """bf16 autocast on CUDA, and on a CPU with native bf16 (AVX512-BF16/AMX); fp32 elsewhere."""
     channels_last: bool = True
     """channels_last VAE and inputs on CUDA."""
     compile: bool = False

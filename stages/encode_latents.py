@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from model.precision import uses_bf16_autocast
 from sdforge.config import Encode, Params
 from sdforge.io import InputError, atomic_write_bytes, stage_cli
 from sdforge.latents import s3_inputs
@@ -62,7 +63,7 @@ def run(cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_d
     t0 = time.perf_counter()
     models_dir, out_dir = Path(models_dir), Path(out_dir)
     device = resolve_device(cfg.device)
-    precision = "bf16" if device == "cuda" and cfg.mixed_precision == "bf16" else "fp32"
+    precision = "bf16" if uses_bf16_autocast(torch.device(device), cfg.mixed_precision) else "fp32"
     tars = list_inputs(shard_dir)
     encoder = encoder_fingerprint(models_dir, cfg, precision)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -289,7 +289,8 @@ def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor
         vae = vae.to(memory_format=torch.channels_last)
     if opts.compile:
         vae.encoder = torch.compile(vae.encoder, dynamic=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda and opts.bf16 else contextlib.nullcontext()
+    # opts.bf16: the stage's choice (model.precision.uses_bf16_autocast: CUDA, or a CPU with native bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opts.bf16 else contextlib.nullcontext()
 
     def encode(images: torch.Tensor) -> torch.Tensor:
         n = images.shape[0]

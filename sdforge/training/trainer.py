@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denoising_loss, optimizer_steps
+from model.precision import uses_bf16_autocast
 from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Params, Phase, Train
 from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches
@@ -183,25 +184,6 @@ def _first_line(err: BaseException) -> str:
     """The first line of an error's message (library messages can run to many lines)."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): only then is CPU autocast faster than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN
-        return False
-
-
-def uses_bf16_autocast(device: torch.device, mixed_precision: str) -> bool:
-    """``train.mixed_precision: bf16`` → bf16 autocast on CUDA, and on a CPU with native bf16; fp32 otherwise.
-
-    Measured on this project's AVX512-BF16 CPU (SD1.x UNet, batch 1, gradient checkpointing): one step
-    26 s in bf16 vs 38 s in fp32 (docs/HISTORY.md, issue 15); a CPU without native bf16 emulates it and is slower.
-    """
-    if mixed_precision != "bf16":
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
 
 
 def _allow_tf32(device: torch.device, enabled: bool) -> None:

@@ -78,11 +78,28 @@ def write_tars(folder: Path, n_tars: int, per_tar: int, seed: int = 0) -> list[P
 
 
 def cfg(**kw) -> Encode:
+    # fp32 unless asked: a CPU with native bf16 would otherwise encode in bf16 (model/precision.py)
+    kw = {"mixed_precision": "no", **kw}
     return Encode(**{"batch_size": 4, "device": "cpu", "resolution": RES, "decode_workers": 2, **kw})
 
 
 def digest(root: Path) -> str:
     return tree_digest(root)
+
+
+def test_bf16_on_a_cpu_with_native_bf16_stays_close_to_fp32(models, tmp_path, monkeypatch):
+    from model import precision
+
+    write_tars(tmp_path / "shards", n_tars=1, per_tar=6)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    m = encode_latents.run(cfg(mixed_precision="bf16"), "laion", tmp_path / "shards", models, tmp_path / "bf16")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    m32 = encode_latents.run(cfg(mixed_precision="bf16"), "laion", tmp_path / "shards", models, tmp_path / "fp32")
+    assert (m["precision"], m32["precision"]) == ("bf16", "fp32")
+    low, full = (torch.from_numpy(np.array(store.open_shard(d / store.shard_name(0)).latents)).float()
+                 for d in (tmp_path / "bf16", tmp_path / "fp32"))
+    assert not torch.equal(low, full)  # bf16 really ran
+    torch.testing.assert_close(low, full, atol=0.05 * float(full.abs().max()), rtol=0.05)
 
 
 def stamps(root: Path) -> dict[str, tuple[bytes, int]]:

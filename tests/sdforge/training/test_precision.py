@@ -1,12 +1,12 @@
-"""``train.mixed_precision``: where bf16 autocast is used (the switch's logic, checked without a GPU)."""
+"""``train.mixed_precision`` / ``encode.mixed_precision``: where bf16 autocast runs (the switch, checked on CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sdforge.training import trainer
-from sdforge.training.trainer import cpu_has_native_bf16, uses_bf16_autocast
+from model import precision
+from model.precision import cpu_has_native_bf16, uses_bf16_autocast
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -18,7 +18,7 @@ def test_cuda_uses_bf16_when_asked():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_uses_bf16_only_with_native_support(monkeypatch, native):
-    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     assert uses_bf16_autocast(CPU, "bf16") is native
     assert uses_bf16_autocast(CPU, "no") is False
 
