@@ -30,8 +30,15 @@ def fingerprint(*files_or_dirs: Path, extra: dict) -> str:
         for f in sorted([root] if root.is_file() else root.rglob("*")):
             if f.is_file():
                 h.update(f.relative_to(root.parent).as_posix().encode())
-                h.update(f.read_bytes())
+                _hash_file(h, f)
     return h.hexdigest()[:16]
+
+
+def _hash_file(h, path: Path, chunk: int = 16 << 20) -> None:
+    """Feed ``path``'s bytes to ``h`` in chunks (a 3.4 GB checkpoint is never held in memory whole)."""
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
 
 
 def prepare_run_dir(run_dir: Path, fp: str, is_main: bool) -> None:
