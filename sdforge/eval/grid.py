@@ -54,8 +54,9 @@ def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData
         "probe_prompts": n,
         "colour_agreement": round(sum(r["colour_ok"] for r in results) / n, 4) if n else None,
         "shape_agreement": round(sum(r["shape_ok"] for r in results) / n, 4) if n else None,
-        "colour_chance": round(1 / len(demo.colours), 4),
-        "shape_chance": round(1 / len(demo.shapes), 4),
+        # full scale has no demo vocabulary (demo.enabled: false): no probe, no chance level
+        "colour_chance": round(1 / len(demo.colours), 4) if demo.colours else None,
+        "shape_chance": round(1 / len(demo.shapes), 4) if demo.shapes else None,
         "per_prompt": results,
     }
 

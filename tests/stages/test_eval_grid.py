@@ -134,3 +134,13 @@ def test_full_config_categories_and_reference_run_settings():
         "forest": (100, 7.5), "city": (100, 7.5), "portrait": (100, 8.5), "full_body": (100, 8.5),
     }  # fmt: skip
     assert cfg.clip_model_path is None and cfg.fid.inception_path is None
+
+
+def test_probe_without_a_demo_vocabulary_reports_no_agreement():
+    """Full scale (demo.enabled: false, no colours or shapes): the probe is skipped, not a ZeroDivisionError
+    (found by the full-config preflight, issue 15)."""
+    demo = load_params(REPO / "configs/full/params.yaml").demo
+    images = [np.zeros((64, 64, 3), np.uint8)] * 2
+    result = grid.probe_agreement(images, ["a misty pine forest", "a red sports car"], demo)
+    assert result["probe_prompts"] == 0 and result["per_prompt"] == []
+    assert result["colour_agreement"] is None and result["colour_chance"] is None and result["shape_chance"] is None
