@@ -8,8 +8,9 @@ is the stage's ``images_per_second`` (first tar read to last shard written). ``s
 the stage's fixed start-up and finish (loading and fingerprinting the VAE and tokenizer, listing,
 the final manifest), which the demo's < 1 s of VAE work does not amortise.
 Baseline: the same VAE, batch size and device (bf16 autocast + channels_last on CUDA; bf16 on a CPU
-with native bf16, as the stage; fp32 otherwise) encoding the same images already decoded into one tensor in device memory: the
-throughput a pipeline would reach if input cost nothing. The two alternate, ``--rounds`` times.
+with native bf16, as the stage; fp32 otherwise) encoding the same images already decoded into one
+tensor in device memory: the throughput a pipeline would reach if input cost nothing. The two
+alternate, ``--rounds`` times.
 ratio = median over rounds of (ours / baseline) throughput (1.0: input cost fully hidden).
 
 The VAE has random weights (throughput only): ``demo`` is built like ``prepare_models`` does from

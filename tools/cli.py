@@ -1,5 +1,6 @@
 """``sdforge`` — user-facing commands: ``generate`` samples images from a phase checkpoint, ``export`` writes
-it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow)."""
+it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow), ``preflight`` runs the
+full configuration's whole DAG on a small sample and forecasts the full run (docs/PREFLIGHT.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
+from tools.preflight import add_arguments as add_preflight_arguments
+from tools.preflight import preflight
 
 log = logging.getLogger("sdforge")
 
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
     exp.add_argument("--params", default="params.yaml")
     exp.set_defaults(func=_export)
+    pre = sub.add_parser("preflight", help="run the full configuration's whole DAG on a small sample; forecast the run")
+    add_preflight_arguments(pre)
+    pre.set_defaults(func=preflight)
     return parser
 
 

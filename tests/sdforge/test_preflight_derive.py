@@ -1,0 +1,113 @@
+"""The preflight's params derivation and forecast arithmetic (fast; the full run is tests/tools/test_preflight.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sdforge.config import load_params
+from sdforge.latents.mix import split_counts
+from sdforge.preflight.derive import LOOPBACK, SAMPLES_DIR, Shrink, derive_params, first_prompts, samples_needed
+from sdforge.preflight.forecast import Pod, StageRun, forecast, full_optimizer_steps, full_train_samples, table
+
+REPO = Path(__file__).resolve().parents[2]
+FULL = yaml.safe_load((REPO / "configs/full/params.yaml").read_text())
+KEPT_PHASE_KEYS = ("init_from", "mix", "lr", "warmup_steps", "cfg_dropout", "min_snr_gamma", "with_replacement")
+
+
+def derived(**shrink) -> dict:
+    return derive_params(FULL, Shrink(**shrink), REPO)
+
+
+def test_derived_params_load_and_keep_the_full_configuration(tmp_path):
+    before = copy.deepcopy(FULL)
+    params = derived()
+    assert FULL == before, "the given params must not be modified"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    typed = load_params(tmp_path / "params.yaml")
+    assert typed.models.unet.model_dump() == load_params(REPO / "configs/full/params.yaml").models.unet.model_dump()
+    assert params["models"]["noise"] == FULL["models"]["noise"]
+    assert params["models"]["missing_weights"] == "random"
+    assert list(params["phases"]) == list(FULL["phases"]) == [f"phase{i}" for i in range(1, 8)]
+    for name, phase in params["phases"].items():
+        assert {k: phase[k] for k in KEPT_PHASE_KEYS} == {k: FULL["phases"][name][k] for k in KEPT_PHASE_KEYS}
+    for key in ("mixed_precision", "gradient_checkpointing", "channels_last", "ema_decay", "adam_betas", "grad_clip"):
+        assert params["train"][key] == FULL["train"][key]
+    assert params["encode"] == FULL["encode"]
+
+
+def test_sources_read_local_samples_in_their_own_kind():
+    params = derived(cpus=2)
+    assert list(params["sources"]) == list(FULL["sources"])
+    for name, source in params["sources"].items():
+        full = FULL["sources"][name]
+        assert source["repo"] == f"{SAMPLES_DIR}/{name}"
+        assert (source["kind"], source.get("filter"), source["allow_patterns"]) == (
+            full["kind"], full.get("filter"), full["allow_patterns"]
+        )
+        assert source["fetch"]["image_size"] == full["fetch"]["image_size"] == 512
+        assert source["fetch"].get("processes", 1) <= 2
+    assert LOOPBACK in params["sources"]["laion"]["fetch"]["allow_networks"]
+
+
+@pytest.mark.parametrize(("device", "batch", "accum"), [("cpu", 1, 1), ("cuda", 24, 2)])
+def test_every_phase_runs_exactly_the_asked_steps(device, batch, accum):
+    params = derived(steps=2, device=device)
+    for name, phase in params["phases"].items():
+        assert (phase["grad_accum"], phase["epochs"]) == (accum, 1)
+        assert phase["samples"] == 2 * phase["batch_size"] * accum
+        assert min(split_counts(phase["mix"], phase["samples"]).values()) >= 1, name
+    # CPU: batch 1 except where a mix needs more samples for every source to get one
+    expected = {"phase6": 2, "phase7": 3} if device == "cpu" else {}
+    assert {n: p["batch_size"] for n, p in params["phases"].items()} == {
+        n: expected.get(n, batch) for n in params["phases"]
+    }
+    assert params["train"]["nproc_per_node"] == 1 and params["train"]["checkpoint_s3"] is None
+
+
+def test_eval_keeps_one_prompt_per_category_and_two_steps():
+    params = derived()
+    prompts = params["eval"]["prompts"]
+    assert list(prompts) == list(FULL["eval"]["prompts"]) and len(prompts) == 9
+    assert all(len(p) == 1 and p[0] == FULL["eval"]["prompts"][c][0] for c, p in prompts.items())
+    assert params["eval"]["steps"] == 2
+    assert first_prompts(["a", "b"]) == ["a"]
+
+
+def test_samples_needed_covers_every_phase_draw():
+    need = samples_needed(derived(steps=2, batch_size=4))  # 8 samples per phase (12 for phase7)
+    assert need["laion"] == 8 and need["laion_hq"] == 8  # phase1: 1.0 of 8; phase2: 1.0 of 8
+    assert need["journeydb"] == 5  # phase3: 0.58 × 8 = 4.64 → 5
+    assert need["coco"] == 8
+
+
+def test_forecast_projects_from_the_measured_rates():
+    runs = [
+        StageRun("prepare_models", 60.0, 6 * 1024**3),
+        StageRun("fetch_images@laion", 16.0, 1024**3, {"samples": 2, "success_rate": 1.0}),
+        StageRun("encode_latents@laion", 30.0, 2 * 1024**3, {"images_encoded": 10, "images_per_second": 0.5}),
+        StageRun("train@phase1", 100.0, 18 * 1024**3, {"world_size": 1}, steps=[(40.0, 1), (25.0, 1)]),
+        StageRun("train@phase2", 100.0, 17 * 1024**3, {"world_size": 1}, steps=[(30.0, 1), (25.0, 1)]),
+    ]
+    pod = Pod(gpus=2, train_img_s=50.0, encode_img_s=200.0, price_per_gpu_hour=2.0)
+    rows, totals = forecast(runs, FULL, derived(), pod, cpus=2)
+    by_stage = {r.stage: r for r in rows}
+    assert [r.stage for r in rows] == ["prepare_models", "fetch_images", "encode_latents", "train"]
+    fetch = by_stage["fetch_images"]  # assumed rates: 1,000 img/s per 16-core pod, scaled to 2 cores here
+    assert fetch.rate == pytest.approx(125.0) and fetch.full_work == totals["full_images_fetched"] == 2_329_280
+    assert fetch.pod_hours == pytest.approx(round(2_329_280 / 1000 / 3600, 2))
+    train = by_stage["train"]
+    assert train.rate == pytest.approx(1 / 25)  # first step of each phase dropped
+    assert train.full_work == full_train_samples(FULL) == 23_345_948
+    assert train.device_hours == pytest.approx(round(23_345_948 * 25 / 3600, 2))
+    assert train.pod_hours == pytest.approx(round(23_345_948 / 100 / 3600, 2))
+    assert by_stage["encode_latents"].rate == pytest.approx(0.5)
+    assert by_stage["prepare_models"].pod_hours is None and train.peak_rss_gib == 18.0
+    assert totals["peak_rss_gib"] == 18.0
+    assert totals["full_optimizer_steps"] == full_optimizer_steps(FULL, 2) == 243_190
+    assert totals["pod_cost"] == pytest.approx(round(totals["pod_hours"] * 2 * 2.0, 0), abs=1)
+    text = table(rows, totals, "cpu")
+    assert text.count("\n| ") == 4 and "assumed figures" in text
