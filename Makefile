@@ -7,7 +7,7 @@
 #   make stack-down   stop the worker (SIGINT first), then MLflow, the server, S3
 #   make run-phase PHASE=phase7   run a deployment through the stack and watch it
 #   make mlflow-ui    MLflow UI on http://127.0.0.1:5000 over sqlite:///mlflow.db
-#   make preflight    the full config's whole DAG on a small sample, real architectures; forecast (~30 min CPU)
+#   make preflight    the full config's whole DAG on a small sample, real architectures; forecast (~40 min on 2 cores)
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help

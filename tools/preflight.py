@@ -111,9 +111,9 @@ def write_samples(ws: Workspace, n: int, url_base: str, seed: int) -> dict[str, 
 
 MALLOC_MMAP_THRESHOLD = str(1 << 20)
 """glibc: allocations ≥ 1 MiB get their own mapping, returned to the system when freed. With glibc's default
-(a threshold that grows to 32 MiB) the per-step gradients were recycled through the heap and the full-size
-train stage peaked at 20.1 GiB instead of ~18.5 (docs/HISTORY.md, issue 15); a CPU run of the full UNet
-should set ``MALLOC_MMAP_THRESHOLD_`` too."""
+(a threshold that grows to 32 MiB) freed per-step gradients stayed in the heap: the full-size train stage
+peaked at 20.0–20.3 GiB; with 1 MiB at 19.5–19.6 GiB, each phase ~15 s slower (page faults; docs/HISTORY.md,
+issue 15). A CPU run of the full UNet should set ``MALLOC_MMAP_THRESHOLD_`` too."""
 
 
 def stage_env() -> dict[str, str]:

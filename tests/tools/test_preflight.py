@@ -50,6 +50,10 @@ def test_cross_attention_mismatch_stops_at_prepare_models(tmp_path, capsys):
     assert not (tmp_path / "ws" / "checkpoints" / "scratch").exists()
 
 
+FULL_RUN_TIMEOUT = 3600
+"""The whole preflight runs inside the first slow test's fixture: ~35 min on 2 cores (pyproject's default is 900 s)."""
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     ws = tmp_path_factory.mktemp("preflight") / "ws"
@@ -58,6 +62,7 @@ def full_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(FULL_RUN_TIMEOUT)
 def test_full_preflight_runs_every_stage_within_memory(full_run):
     status, ws, report = full_run
     assert status == 0
@@ -70,6 +75,7 @@ def test_full_preflight_runs_every_stage_within_memory(full_run):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(FULL_RUN_TIMEOUT)
 def test_full_preflight_shapes_and_checkpoints(full_run):
     _, ws, report = full_run
     for source in ("laion", "laion_hq", "diffusiondb", "journeydb", "vggface2", "coco"):
@@ -84,6 +90,7 @@ def test_full_preflight_shapes_and_checkpoints(full_run):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(FULL_RUN_TIMEOUT)
 def test_full_preflight_export_samples_512(full_run):
     from diffusers import StableDiffusionPipeline
 
