@@ -30,6 +30,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sdforge.preflight.derive import samples_needed
+
 GIB = 1024**3
 FIXED = ("make_demo_data", "download_metadata", "filter_metadata", "prepare_models", "mix_phase", "export", "generate")
 
@@ -83,11 +85,7 @@ class Row:
 
 def full_images(full: dict[str, Any]) -> dict[str, int]:
     """Per source, the images the full run needs: the most any phase draws from it."""
-    need: dict[str, int] = {}
-    for phase in full.get("phases", {}).values():
-        for source, fraction in phase["mix"].items():
-            need[source] = max(need.get(source, 0), math.ceil(int(phase["samples"]) * float(fraction)))
-    return need
+    return {name: n for name, n in samples_needed(full).items() if n}
 
 
 def full_train_samples(full: dict[str, Any]) -> int:
