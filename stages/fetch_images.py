@@ -48,7 +48,7 @@ import polars as pl
 from sdforge.config import Params, Source
 from sdforge.demo.http_server import serve_directory
 from sdforge.ingest import reshard, shards, sources, url_guard
-from sdforge.ingest.fetch_state import archive_listing, fingerprint, prepare_out_dir
+from sdforge.ingest.fetch_state import archive_listing, fingerprint, prepare_out_dir, served_digest
 from sdforge.ingest.url_fetch import fetch_urls
 from sdforge.io import InputError, stage_cli
 from sdforge.tracking import log_stage
@@ -95,7 +95,8 @@ def run(
     fetch = source.fetch
     rows = pl.scan_parquet(filtered).select(pl.len()).collect().item()
     archives = None if source.kind == "laion" else archive_listing(metadata_dir)
-    prepare_out_dir(out_dir, fingerprint(filtered, fetch, archives))
+    served = served_digest(serve[0]) if serve and source.kind == "laion" else None  # same URLs, new images
+    prepare_out_dir(out_dir, fingerprint(filtered, fetch, archives, served))
     if rows == 0:
         log.warning("%s: %s has no rows; nothing to fetch", name, filtered)
     elif source.kind == "laion":

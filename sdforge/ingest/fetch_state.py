@@ -45,9 +45,20 @@ def archive_listing(metadata_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = None) -> str:
+def served_digest(root: Path) -> str:
+    """SHA-256 of the sorted (relative path, bytes) of every file under ``root``: what a loopback server
+    (the demo's) hands out. Its URLs stay the same when the images change, so the URL list cannot tell."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(f"{path.relative_to(root).as_posix()}\0{path.stat().st_size}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = None, served: str | None = None) -> str:
     """The fingerprint text of fetching ``filtered`` with ``fetch``: its SHA-256 and :data:`OUTPUT_SETTINGS`
-    (plus, for the local kinds, the :func:`archive_listing` of the files the images come from)."""
+    (plus, for the local kinds, the :func:`archive_listing` of the files the images come from, and with a
+    loopback server, the :func:`served_digest` of what it serves)."""
     digest = hashlib.sha256()
     with open(filtered, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -57,6 +68,8 @@ def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = Non
     doc = {"version": FINGERPRINT_VERSION, "filtered_sha256": digest.hexdigest(), "settings": settings}
     if archives is not None:
         doc["archives_sha256"] = archives
+    if served is not None:
+        doc["served_sha256"] = served
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 

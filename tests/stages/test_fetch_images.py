@@ -376,3 +376,30 @@ def test_unknown_distributor_is_a_config_error_naming_the_key():
     msg = str(err.value)
     assert "sources.laion.fetch.distributor" in msg and "'dask'" in msg
     assert all(name in msg for name in ("multiprocessing", "pyspark", "ray"))
+
+
+def test_rerun_refetches_when_the_served_images_change_under_the_same_urls(demo_params, run_until):
+    """The demo's URLs name images by index: a new corpus (e.g. other shape sizes) keeps every URL and caption,
+    so only the served bytes tell that the finished shards are stale (they once were kept and trained on)."""
+    run_until(demo_params, "filter_metadata")
+    paths = demo_params.paths
+    root = Path(paths.demo_source) / "http"
+    out = Path(paths.shards) / "laion"
+
+    def fetch() -> set[str]:
+        fetch_images.run(
+            demo_params.sources["laion"],
+            "laion",
+            Path(paths.filtered) / "laion",
+            Path(paths.metadata) / "laion",
+            out,
+            serve=(root, demo_params.demo.http_port),
+        )
+        return {hashlib.sha256(s["jpg"]).hexdigest() for _, s in shards.iter_samples(out)}
+
+    first = fetch()
+    image = sorted((root / "images").glob("shape-*.jpg"))[0]
+    pixels = cv2.imdecode(np.frombuffer(image.read_bytes(), np.uint8), cv2.IMREAD_COLOR)
+    image.write_bytes(cv2.imencode(".jpg", 255 - pixels)[1].tobytes())
+    second = fetch()
+    assert len(second) == len(first) and len(second - first) == 1

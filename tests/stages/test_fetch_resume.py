@@ -113,6 +113,14 @@ def test_fingerprint_follows_the_inputs_and_the_output_settings_only(tmp_path):
     assert fetch_state.fingerprint(filtered, base.model_copy(update={"timeout": 1, "retries": 2})) == fp
     for update in ({"image_size": 64}, {"shard_size": 7}, {"allow_networks": ["10.0.0.0/8"]}, {"max_image_pixels": 9}):
         assert fetch_state.fingerprint(filtered, base.model_copy(update=update)) != fp, update
+    served = tmp_path / "www"
+    (served / "images").mkdir(parents=True)
+    (served / "images" / "1.jpg").write_bytes(b"red circle")
+    before = fetch_state.served_digest(served)
+    (served / "images" / "1.jpg").write_bytes(b"big circle")  # same URL, same size, other image
+    assert fetch_state.served_digest(served) != before
+    after = fetch_state.fingerprint(filtered, base, served=fetch_state.served_digest(served))
+    assert fetch_state.fingerprint(filtered, base, served=before) not in (fp, after)
     out = tmp_path / "out"
     assert fetch_state.prepare_out_dir(out, fp) is False
     _shard_files(out, "00000")
