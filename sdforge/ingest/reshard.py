@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import webdataset as wds
 
 from sdforge.config import FetchSettings
 from sdforge.ingest import shards
@@ -146,6 +145,8 @@ class ShardWriter:
 
 def _write_tar(path: Path, spill: Path, samples: dict[str, tuple[int, int, str]], records: dict) -> None:
     """The shard tar (samples sorted by key, fixed mtime) via a temp file and rename."""
+    import webdataset as wds  # lazy (~1.5 s): a fetch that writes no shard does not pay for it
+
     with atomic_file(path) as fh, spill.open("rb") as src:
         writer = wds.TarWriter(fh, encoder=False, mtime=shards.TAR_MTIME)
         for key in sorted(samples):

@@ -22,14 +22,16 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
-from safetensors.torch import save as safetensors_save
 
 from sdforge.io import InputError, atomic_write_bytes
+
+if TYPE_CHECKING:  # torch (~2 s) only where shards are written: mix_phase and the loader only read
+    import torch
 
 MANIFEST = "manifest.parquet"
 SHARD_PATTERN = "shard-*.safetensors"
@@ -50,11 +52,7 @@ def write_shard(path: Path, latents: torch.Tensor, input_ids: torch.Tensor, meta
     """Write one shard atomically (temp name, then rename): latents as fp16, token ids as int32."""
     if latents.shape[0] != input_ids.shape[0]:
         raise ValueError(f"{path}: {latents.shape[0]} latents but {input_ids.shape[0]} token rows")
-    tensors = {
-        "latents": latents.to(torch.float16).contiguous(),
-        "input_ids": input_ids.to(torch.int32).contiguous(),
-    }
-    atomic_write_bytes(path, safetensors_save(tensors, metadata=metadata))
+    atomic_write_bytes(path, _safetensors(latents, input_ids, metadata))
 
 
 @dataclass(frozen=True)
@@ -103,6 +101,18 @@ def open_shard(path: Path) -> ShardArrays:
     return ShardArrays(arrays["latents"], arrays["input_ids"], header.get("__metadata__") or {})
 
 
+def _safetensors(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str] | None) -> bytes:
+    """safetensors bytes of a shard: latents as fp16, token ids as int32."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {
+        "latents": latents.to(torch.float16).contiguous(),
+        "input_ids": input_ids.to(torch.int32).contiguous(),
+    }
+    return save(tensors, metadata=metadata)
+
+
 def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str]) -> bytes:
     """A shard's safetensors bytes with ``__metadata__`` in sorted key order: same input, same bytes.
 
@@ -112,11 +122,7 @@ def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[s
     """
     if latents.shape[0] != input_ids.shape[0]:
         raise ValueError(f"{latents.shape[0]} latents but {input_ids.shape[0]} token rows")
-    tensors = {
-        "latents": latents.to(torch.float16).contiguous(),
-        "input_ids": input_ids.to(torch.int32).contiguous(),
-    }
-    raw = safetensors_save(tensors, metadata=metadata)
+    raw = _safetensors(latents, input_ids, metadata)
     (size,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + size])
     header["__metadata__"] = dict(sorted(metadata.items()))
