@@ -39,6 +39,8 @@ UNET_SPEC_KEYS = (
     "attention_head_dim",
     "norm_num_groups",
 )
+UNET_OPTIONAL_KEYS = {"addition_embed_type": None, "addition_embed_type_num_heads": 64}
+"""Spec keys that may be left out, with diffusers' defaults (SD 1.x: no pooled-text embedding)."""
 
 
 @contextlib.contextmanager
@@ -59,13 +61,13 @@ def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> i
 
 def unet_config(spec: dict) -> dict:
     """``UNet2DConditionModel`` config from a ``UNetSpec`` dict; unknown or missing keys raise."""
-    unknown = sorted(set(spec) - set(UNET_SPEC_KEYS))
+    unknown = sorted(set(spec) - set(UNET_SPEC_KEYS) - set(UNET_OPTIONAL_KEYS))
     missing = sorted(set(UNET_SPEC_KEYS) - set(spec))
     if unknown or missing:
         raise ValueError(
             f"UNet spec keys must be {list(UNET_SPEC_KEYS)}; unknown: {unknown}, missing: {missing}"
         )
-    config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in spec.items()}
+    config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in {**UNET_OPTIONAL_KEYS, **spec}.items()}
     groups = config["norm_num_groups"]
     bad = [c for c in config["block_out_channels"] if c % groups]
     if bad:

@@ -40,9 +40,19 @@ def draw(generator: Generators, shape: tuple[int, ...], fn: Callable[..., torch.
     return torch.stack([fn(shape[1:], generator=g) for g in generator])
 
 
-def sample_timesteps(batch: int, num_train_timesteps: int, generator: Generators) -> torch.Tensor:
-    """Uniform integer timesteps in ``[0, num_train_timesteps)``."""
-    return draw(generator, (batch,), partial(torch.randint, 0, num_train_timesteps, dtype=torch.long))
+def sample_timesteps(
+    batch: int, num_train_timesteps: int, generator: Generators, logit_normal: tuple[float, float] | None = None
+) -> torch.Tensor:
+    """Integer timesteps in ``[0, num_train_timesteps)``: uniform, or logit-normal when ``logit_normal`` =
+    ``(mean, std)`` — ``t = ⌊sigmoid(mean + std·z) · T⌋`` with ``z ~ N(0, 1)`` (Esser et al. 2024, SD3's
+    timestep density). A positive mean puts more of the steps at high noise, where the image's layout —
+    which shape, which colour, where — is decided and only the prompt can tell the model what to draw."""
+    if logit_normal is None:
+        return draw(generator, (batch,), partial(torch.randint, 0, num_train_timesteps, dtype=torch.long))
+    mean, std = logit_normal
+    z = draw(generator, (batch,), partial(torch.randn, dtype=torch.float32))
+    t = torch.sigmoid(mean + std * z) * num_train_timesteps
+    return t.long().clamp_(0, num_train_timesteps - 1)
 
 
 def training_target(
@@ -137,20 +147,22 @@ def denoising_loss(
     generator: Generators,
     min_snr_gamma: float | None,
     noise_offset: float = 0.0,
+    logit_normal: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE.
 
     ``noise_offset`` adds a per-sample, per-channel constant to the noise (Guttenberg 2023, the
     diffusers ``--noise_offset``): without it the scaled-linear schedule leaks the latents'
     low-frequency content even at t≈999, so the model learns global colour from the noisy input
-    instead of from the prompt. Noise and timesteps are drawn from the CPU ``generator``.
+    instead of from the prompt. Noise and timesteps are drawn from the CPU ``generator``; timesteps
+    uniformly, or logit-normal with ``logit_normal = (mean, std)`` (:func:`sample_timesteps`).
     """
     randn = partial(torch.randn, dtype=torch.float32)
     noise = draw(generator, tuple(latents.shape), randn)
     if noise_offset:
         noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
     noise = noise.to(latents.device)
-    timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator)
+    timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator, logit_normal)
     timesteps = timesteps.to(latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample

@@ -188,6 +188,8 @@ class DemoData(Section):
     enabled: bool = True
     seed: int = 0
     image_size: int = Field(48, ge=16)
+    half_size: tuple[Annotated[float, Field(gt=0, le=0.45)], Annotated[float, Field(gt=0, le=0.45)]] = (0.22, 0.32)
+    """Range of a shape's half-width, as a fraction of ``image_size`` (its position jitters within what is left)."""
     laion_rows: int = Field(0, ge=0)
     archive_images: int = Field(0, ge=0)
     http_port: int = Field(8765, ge=1024, le=65535)
@@ -201,12 +203,34 @@ class DemoData(Section):
     small_rows: int = Field(0, ge=0)
     duplicate_rows: int = Field(0, ge=0)
     missing_rows: int = Field(0, ge=0)
+    held_out: list[tuple[str, str, str]] = []
+    """(colour, shape, background) combinations the corpus never shows (nor the VAE's training renders):
+    eval prompts that ask for them measure whether the model composes words it saw only apart."""
 
     @model_validator(mode="after")
     def _names_disjoint(self) -> DemoData:
         if self.enabled and (not self.colours or not self.shapes or not self.backgrounds):
             raise ValueError("demo needs at least one colour, shape and background")
         return self
+
+    @model_validator(mode="after")
+    def _held_out_leaves_every_word(self) -> DemoData:
+        for i, (colour, shape, background) in enumerate(self.held_out):
+            for name, known in ((colour, self.colours), (shape, self.shapes), (background, self.backgrounds)):
+                if name not in known:
+                    raise ValueError(f"held_out[{i}]: {name!r} is not a demo colour, shape or background")
+        hidden = set(self.held_out)
+        every = [(c, s, b) for c in self.colours for s in self.shapes for b in self.backgrounds]
+        shown = [combo for combo in every if combo not in hidden]
+        for axis, names in enumerate((self.colours, self.shapes, self.backgrounds)):
+            lost = sorted(set(names) - {combo[axis] for combo in shown})
+            if lost:
+                raise ValueError(f"held_out hides every combination with {lost}: the model could never learn the word")
+        return self
+
+    def is_held_out(self, colour: str, shape: str, background: str) -> bool:
+        """Whether the corpus never shows this combination."""
+        return (colour, shape, background) in set(self.held_out)
 
 
 class Columns(Section):
@@ -408,6 +432,12 @@ class UNetSpec(Section):
     cross_attention_dim: int = 768
     attention_head_dim: int = 8
     norm_num_groups: int = 32
+    addition_embed_type: Literal["text"] | None = None
+    """``text``: the prompt's embedding, attention-pooled (diffusers ``TextTimeEmbedding``), is also added to
+    the timestep embedding, so every ResNet block sees the prompt (the pooled-text conditioning of Imagen
+    and SDXL). SD 1.x has none (null); the demo uses it (README "The embedded demo")."""
+    addition_embed_type_num_heads: int = Field(64, ge=1)
+    """Heads of that attention pooling (``cross_attention_dim`` must divide by it)."""
 
     @model_validator(mode="after")
     def _block_lists_match(self) -> UNetSpec:
@@ -488,6 +518,9 @@ class Train(Section):
     grad_clip: float = Field(1.0, gt=0)
     noise_offset: float = Field(0.0, ge=0)
     """Per-channel noise offset (diffusers ``--noise_offset``; 0 = off)."""
+    timestep_logit_normal: tuple[float, Annotated[float, Field(gt=0)]] | None = None
+    """``[mean, std]``: draw training timesteps logit-normal (SD3) instead of uniform; mean > 0 favours high
+    noise (:func:`model.diffusion.sample_timesteps`). null: uniform, as SD 1.x."""
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     save_steps: int = Field(0, ge=0)
     """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""

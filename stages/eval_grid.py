@@ -17,7 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from sdforge.config import DemoData, Eval, Params
-from sdforge.eval.grid import captioned_grid, probe_agreement, sample_categories
+from sdforge.eval.grid import captioned_grid, probe_agreement, probe_truth, sample_categories
 from sdforge.eval.metrics import image_metrics
 from sdforge.eval.sampling import load_pipeline
 from sdforge.io import stage_cli
@@ -26,6 +26,8 @@ from sdforge.tracking import stage_run
 log = logging.getLogger(__name__)
 
 STRIPS = "strips"
+
+
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
     """Sample ``cfg.prompts`` with EMA weights, write the grid, strips and images; return metrics."""
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
@@ -40,6 +42,9 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
         row = [img for c, img in zip(categories, images, strict=True) if c == category]
         captioned_grid(row, texts, len(texts)).save(out_dir / STRIPS / f"{category}.png")
     agreement = probe_agreement(images, prompts, demo)
+    agreement.update(probe_truth(prompts, demo, int(images[0].shape[0])))
+    if agreement["probe_truth_images"] and min(agreement["probe_truth_colour"], agreement["probe_truth_shape"]) < 1:
+        log.warning("the probe misreads the demo's own renders (%s): its agreement is not trustworthy", agreement)
     (out_dir / "probe.json").write_text(json.dumps(agreement, indent=2) + "\n")
     metrics = {k: v for k, v in agreement.items() if k != "per_prompt"}
     metrics.update(

@@ -103,7 +103,7 @@ def test_latents_shape_dtype_and_manifest(project):
     with safe_open(str(project / "data/latents/laion/shard-00000.safetensors"), framework="pt") as f:
         lat, ids = f.get_tensor("latents"), f.get_tensor("input_ids")
     assert str(lat.dtype) == "torch.float16" and tuple(lat.shape[1:]) == (4, 16, 16)
-    assert tuple(ids.shape[1:]) == (77,)
+    assert tuple(ids.shape[1:]) == (params["models"]["text_encoder_build"]["max_position_embeddings"],) == (16,)
 
 
 def test_mix_composition(project):

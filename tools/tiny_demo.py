@@ -23,5 +23,10 @@ def shrink(params: dict, port: int) -> dict:
                    "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
     }
     params["train"].update(save_steps=3, log_every=1)
-    params["eval"].update(prompts=params["eval"]["prompts"][:4], steps=4, batch_size=4, columns=2)
+    prompts = params["eval"]["prompts"]
+    if isinstance(prompts, dict):  # categories (the demo: seen, held_out): two prompts of each
+        prompts = {name: texts[:2] for name, texts in prompts.items()}
+    else:
+        prompts = prompts[:4]
+    params["eval"].update(prompts=prompts, steps=4, batch_size=4, columns=2)
     return params

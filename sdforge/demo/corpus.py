@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdforge.config import DemoData
-from sdforge.demo.shapes import ShapeSpec, random_spec, render
+from sdforge.demo.shapes import ShapeSpec, SpecDeck, render, shown_specs
 from sdforge.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,15 @@ def encode_image(rgb: np.ndarray, ext: str) -> bytes:
     return buf.tobytes()
 
 
-def draw(cfg: DemoData, rng: np.random.Generator) -> tuple[ShapeSpec, np.ndarray]:
-    """A random spec and its rendered RGB image at ``demo.image_size``."""
-    spec = random_spec(rng, list(cfg.colours), list(cfg.shapes), list(cfg.backgrounds))
-    img = render(spec, cfg.image_size, cfg.colours[spec.colour], cfg.backgrounds[spec.background], rng)
+def deck(cfg: DemoData, rng: np.random.Generator) -> SpecDeck:
+    """The shown (not held-out) combinations, drawn in balanced rounds from ``rng``."""
+    return SpecDeck(shown_specs(list(cfg.colours), list(cfg.shapes), list(cfg.backgrounds), cfg.held_out), rng)
+
+
+def draw(cfg: DemoData, specs: SpecDeck, rng: np.random.Generator) -> tuple[ShapeSpec, np.ndarray]:
+    """The deck's next spec and its rendered RGB image at ``demo.image_size`` (position and size from ``rng``)."""
+    spec = specs.draw()
+    img = render(spec, cfg.image_size, cfg.colours[spec.colour], cfg.backgrounds[spec.background], rng, cfg.half_size)
     return spec, img
 
 
@@ -98,14 +103,15 @@ def image_url(cfg: DemoData, name: str) -> str:
 def laion_rows(cfg: DemoData, rng: np.random.Generator, http_root: Path) -> tuple[list[dict], dict[str, int]]:
     """All LAION rows in their final (shuffled) order, writing served images under ``http_root``."""
     served: list[dict] = []
+    specs = deck(cfg, rng)  # served rows first: the images the model trains on are balanced
     for i in range(cfg.laion_rows):
-        spec, img = draw(cfg, rng)
+        spec, img = draw(cfg, specs, rng)
         name = f"shape-{i:06d}"
         atomic_write_bytes(http_root / "images" / f"{name}.jpg", encode_image(img, ".jpg"))
         served.append(good_row(cfg, rng, image_url(cfg, name), spec.caption(), name))
     rows = list(served)
     for i in range(cfg.missing_rows):
-        spec, _ = draw(cfg, rng)
+        spec, _ = draw(cfg, specs, rng)
         rows.append(good_row(cfg, rng, image_url(cfg, f"missing-{i:06d}"), spec.caption(), f"missing-{i}"))
     bad = {
         "low_aesthetic": (cfg.low_aesthetic_rows, lambda: {"AESTHETIC_SCORE": _draw(rng, 2.0, 4.9)}),
@@ -115,7 +121,7 @@ def laion_rows(cfg: DemoData, rng: np.random.Generator, http_root: Path) -> tupl
     }
     for kind, (count, overrides) in bad.items():
         for i in range(count):
-            spec, _ = draw(cfg, rng)
+            spec, _ = draw(cfg, specs, rng)
             row = good_row(cfg, rng, image_url(cfg, f"{kind}-{i:06d}"), spec.caption(), f"{kind}-{i}")
             rows.append({**row, **overrides()})
     rows = [rows[i] for i in rng.permutation(len(rows))]
@@ -170,8 +176,9 @@ def diffusiondb_zip(cfg: DemoData, rng: np.random.Generator) -> bytes:
     """A DiffusionDB-style zip: ``<uuid>.png`` images and ``part-NNNNNN.json`` (sorted, fixed dates)."""
     entries: dict[str, bytes] = {}
     mapping: dict[str, dict[str, Any]] = {}
+    specs = deck(cfg, rng)
     for _ in range(cfg.archive_images):
-        spec, img = draw(cfg, rng)
+        spec, img = draw(cfg, specs, rng)
         name = f"{uuid.UUID(bytes=rng.bytes(16), version=4)}.png"
         entries[name] = encode_image(img, ".png")
         mapping[name] = {

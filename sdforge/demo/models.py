@@ -23,7 +23,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from model.builders import build_tiny_text_encoder, build_tiny_vae, clip_vocab_and_merges, seeded
 from model.vae_training import latent_scaling_factor, reconstruct, train_vae
 from sdforge.config import DemoData, Eval, Models
-from sdforge.demo.shapes import ShapeSpec, probe, random_spec, render
+from sdforge.demo.shapes import ShapeSpec, probe, render, shown_specs
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,15 @@ def write_demo_tokenizer(words: list[str], out_dir: Path, max_length: int) -> CL
 
 
 def render_demo(demo: DemoData, pixels: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, list[ShapeSpec]]:
-    """``n`` demo images (N×pixels×pixels×3 uint8, INTER_AREA from ``demo.image_size``) and their specs."""
-    specs = [random_spec(rng, list(demo.colours), list(demo.shapes), list(demo.backgrounds)) for _ in range(n)]
+    """``n`` demo images (N×pixels×pixels×3 uint8, INTER_AREA from ``demo.image_size``) and their specs, drawn
+    uniformly from the shown combinations (never a held-out one)."""
+    shown = shown_specs(list(demo.colours), list(demo.shapes), list(demo.backgrounds), demo.held_out)
+    specs = [shown[int(i)] for i in rng.integers(0, len(shown), size=n)]
     images = []
     for spec in specs:
-        img = render(spec, demo.image_size, demo.colours[spec.colour], demo.backgrounds[spec.background], rng)
+        img = render(
+            spec, demo.image_size, demo.colours[spec.colour], demo.backgrounds[spec.background], rng, demo.half_size
+        )
         if img.shape[0] != pixels:
             img = cv2.resize(img, (pixels, pixels), interpolation=cv2.INTER_AREA)
         images.append(img)

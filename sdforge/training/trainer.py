@@ -146,6 +146,7 @@ class Trainer:
                     gens,
                     self.phase.min_snr_gamma,
                     self.cfg.noise_offset,
+                    self.cfg.timestep_logit_normal,
                 )
             if not torch.isfinite(loss):
                 raise FloatingPointError(

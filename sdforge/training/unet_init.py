@@ -27,6 +27,7 @@ ARCH_KEYS = (
     "up_block_types",
     "in_channels",
     "out_channels",
+    "addition_embed_type",
     "norm_num_groups",
 )
 

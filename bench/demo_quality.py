@@ -1,0 +1,192 @@
+"""Benchmark: does the demo model learn colour and shape, for every train seed?
+
+``python -m bench.demo_quality [--seeds N] [--quick] [--params params.yaml] [--out .bench/demo_quality]
+[--phases K] [--set KEY=VALUE ...]``
+
+Trains the demo's phases (phase 1 … phase 7, each from the previous one's EMA weights) on the already
+encoded demo latents (``${paths.latents}``, ``${paths.models}`` and ``${paths.checkpoints}/scratch``: run
+``make demo`` or ``dvc repro encode_latents`` first) for train seeds 0 … N-1, in this process, with the
+stages' own ``run`` functions (``mix_phase``, ``train``, ``eval_grid``) on a copy of ``params.yaml`` whose
+outputs go under ``--out`` and whose MLflow tracking and training validation images are off (neither
+changes the weights). After phase 1 and the last phase it samples the eval grid and reads each image with
+the demo probe: colour and shape agreement on the seen and the held-out (colour, shape, background)
+combinations, and the probe's own score on ground-truth renders of the same prompts.
+
+The baseline is the acceptance bar of issue 16, not another implementation: the last line is
+``RESULT name=demo_quality ratio=<min over seeds of the last phase's colour agreement (seen and held-out,
+whichever is lower) ÷ 0.75> ...``. ``--quick`` trains seed 0's phase 1 for one epoch only and evaluates it:
+a check that the harness runs, not a quality figure. ``--phases K`` trains the first K phases only;
+``--set phases.phase1.lr=1e-3`` (repeatable, YAML values) measures a change without editing ``params.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+
+from bench._common import load_average, machine, result_line
+from sdforge.config import SCRATCH, Params, load_params
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUTS = ("mixes", "checkpoints", "runs", "eval", "metrics")
+"""``paths`` keys redirected under the seed's work dir (inputs — latents, models — stay where they are)."""
+KEYS = ("colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out")
+BAR = 0.75
+"""Issue 16's bar for the held-out colour agreement; the RESULT ratio is measured against it."""
+
+log = logging.getLogger("bench.demo_quality")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> None:
+    """Set each ``dotted.key=value`` (value parsed as YAML) in ``data``; an unknown section is an error."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. phases.phase1.lr=1e-3")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise SystemExit(f"--set {item!r}: params has no section {part!r} under {key!r}")
+            node = node[part]
+        node[leaf] = yaml.safe_load(value)
+
+
+def seed_params(base: Path, work: Path, seed: int, quick: bool, phases: int = 0, overrides=()) -> Params:
+    """``base`` with ``train.seed = seed``, outputs under ``work``, tracking and validation off; ``phases``
+    > 0 keeps the first ``phases`` phases; ``overrides`` as :func:`apply_overrides`."""
+    data = yaml.safe_load(base.read_text())
+    apply_overrides(data, list(overrides))
+    if phases:
+        data["phases"] = dict(list(data["phases"].items())[:phases])
+    root = base.resolve().parent
+    for key, value in data["paths"].items():
+        data["paths"][key] = str(work / key) if key in OUTPUTS else str(root / value)
+    data["train"].update(seed=seed, validation_every=0, progress_bar=False)
+    data.setdefault("tracking", {})["enabled"] = False
+    if quick:
+        first = next(iter(data["phases"]))
+        data["phases"] = {first: {**data["phases"][first], "epochs": 1}}
+    path = work / "params.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return load_params(path)
+
+
+def check_inputs(params: Params) -> None:
+    """Raise naming what is missing and how to make it when the encoded demo is not there."""
+    needed = [Path(params.paths.latents), Path(params.paths.models)]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
+        raise SystemExit(
+            f"bench.demo_quality: missing {', '.join(missing)}; run `make demo` (or `dvc repro encode_latents`) first"
+        )
+
+
+def write_scratch_unet(params: Params, out: Path) -> None:
+    """Phase 1's seeded initial UNet from ``models.unet`` (as ``prepare_models`` writes it): a ``--set
+    models.unet...`` change needs its own; the frozen VAE and text encoder are reused."""
+    from model.builders import build_unet, unet_config
+    from sdforge.io import write_json
+
+    unet = build_unet(unet_config(params.models.unet.model_dump()), params.models.seed)
+    for sub in ("unet", "unet_ema"):
+        unet.save_pretrained(out / sub, safe_serialization=True)
+    write_json(out / "state.json", {"phase": SCRATCH, "step": 0})
+
+
+def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=()) -> dict:
+    """Mix, train and evaluate every phase for one train seed; the first and last phases' probe figures."""
+    from stages import eval_grid, mix_phase, train  # lazy: torch/diffusers after argument parsing
+
+    work = out / f"seed-{seed}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    params = seed_params(base, work, seed, quick, phases, overrides)
+    check_inputs(params)
+    paths = params.paths
+    write_scratch_unet(params, Path(paths.checkpoints) / SCRATCH)
+    phases = list(params.phases)
+    result: dict = {"seed": seed, "train_s": 0.0}
+    for name in phases:
+        mix_phase.run(name, params.phases[name], Path(paths.latents), Path(paths.mixes) / f"{name}.parquet", seed)
+        start = time.perf_counter()
+        metrics = train.run(params, name)
+        result["train_s"] += time.perf_counter() - start
+        result[f"{name}_steps"] = metrics["steps"]
+        if name in (phases[0], phases[-1]):
+            grid = eval_grid.run(
+                params.eval,
+                params.demo,
+                Path(paths.models),
+                Path(paths.checkpoints) / name,
+                Path(paths.eval) / name,
+            )
+            tags = (["first"] if name == phases[0] else []) + (["last"] if name == phases[-1] else [])
+            for tag in tags:
+                result.update({f"{tag}_{k}": grid.get(k) for k in (*KEYS, "probe_truth_colour", "probe_truth_shape")})
+    log.info("seed %d: %s", seed, result)
+    return result
+
+
+def summary_table(results: list[dict], first: str, last: str) -> list[str]:
+    """Markdown rows: per seed, the first and last phase's four agreements and the train time."""
+    head = "| seed | phase | colour seen | shape seen | colour held-out | shape held-out | train s |"
+    rows = [head, "|---|---|---|---|---|---|---|"]
+    for r in results:
+        for tag, name in (("first", first), ("last", last)):
+            cells = " | ".join(_pct(r.get(f"{tag}_{k}")) for k in KEYS)
+            rows.append(f"| {r['seed']} | {name} | {cells} | {r['train_s']:.0f} |")
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f} %"
+
+
+def _stat(results: list[dict], key: str, fn) -> float:
+    values = [r[key] for r in results if r.get(key) is not None]
+    return float(fn(values)) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: train every seed, print the table and the RESULT line."""
+    parser = argparse.ArgumentParser(prog="python -m bench.demo_quality")
+    parser.add_argument("--seeds", type=int, default=3, help="train seeds 0 … N-1 (default 3)")
+    parser.add_argument("--quick", action="store_true", help="seed 0, phase 1 for one epoch: a harness check")
+    parser.add_argument("--params", type=Path, default=REPO / "params.yaml")
+    parser.add_argument("--out", type=Path, default=REPO / ".bench" / "demo_quality")
+    parser.add_argument("--phases", type=int, default=0, help="train the first K phases only (0: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a params key")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    load_before = load_average()
+    seeds = [0] if args.quick else list(range(args.seeds))
+    results = [train_seed(args.params, args.out.resolve(), s, args.quick, args.phases, args.set) for s in seeds]
+    phases = list(load_params(args.params).phases)[: args.phases or None]
+    first, last = phases[0], (phases[0] if args.quick else phases[-1])
+    for row in summary_table(results, first, last):
+        print(row)
+    lows = [min(r["last_colour_agreement_seen"], r["last_colour_agreement_held_out"]) for r in results]
+    fields = {"seeds": len(seeds), "quick": args.quick}
+    for key in KEYS:
+        fields[f"{last}_{key}_min"] = _stat(results, f"last_{key}", min)
+        fields[f"{last}_{key}_median"] = _stat(results, f"last_{key}", statistics.median)
+        fields[f"{first}_{key}_median"] = _stat(results, f"first_{key}", statistics.median)
+    fields["probe_truth_min"] = min(
+        min(r["last_probe_truth_colour"], r["last_probe_truth_shape"]) for r in results
+    )
+    fields["train_s_median"] = _stat(results, "train_s", statistics.median)
+    fields["load_avg"] = f"{load_before} -> {load_average()}"
+    fields["machine"] = machine()
+    print(result_line("demo_quality", min(lows) / BAR, **fields))
+
+
+if __name__ == "__main__":
+    main()
