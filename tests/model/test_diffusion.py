@@ -204,3 +204,17 @@ def test_unet_attention_uses_sdpa():
     spec = {"in_channels": 4, "out_channels": 4, **TINY_UNET}
     processors = build_unet(unet_config(spec), seed=0).attn_processors
     assert processors and all(type(p) is AttnProcessor2_0 for p in processors.values())
+
+
+def test_logit_normal_timesteps_follow_the_sigmoid_of_a_normal():
+    from model.diffusion import sample_timesteps
+
+    uniform = sample_timesteps(20000, 1000, torch.Generator().manual_seed(0)).float()
+    for mean, share_above_half in ((0.0, 0.5), (0.5, 0.6915), (-1.0, 0.1587)):
+        t = sample_timesteps(20000, 1000, torch.Generator().manual_seed(0), (mean, 1.0))
+        assert t.dtype == torch.long and int(t.min()) >= 0 and int(t.max()) <= 999
+        # P(t >= 500) = P(mean + z > 0) = Phi(mean)
+        assert abs(float((t >= 500).float().mean()) - share_above_half) < 0.01, mean
+    assert abs(float((uniform >= 500).float().mean()) - 0.5) < 0.01
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]  # per-sample streams, as the trainer draws
+    assert sample_timesteps(4, 1000, gens, (0.5, 1.0)).shape == (4,)
