@@ -31,7 +31,10 @@ from pathlib import Path
 import yaml
 
 from bench._common import load_average, machine, result_line
+from model.builders import build_unet, unet_config
 from sdforge.config import SCRATCH, Params, load_params
+from sdforge.io import write_json
+from stages import eval_grid, mix_phase, train
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = ("mixes", "checkpoints", "runs", "eval", "metrics")
@@ -91,9 +94,6 @@ def check_inputs(params: Params) -> None:
 def write_scratch_unet(params: Params, out: Path) -> None:
     """Phase 1's seeded initial UNet from ``models.unet`` (as ``prepare_models`` writes it): a ``--set
     models.unet...`` change needs its own; the frozen VAE and text encoder are reused."""
-    from model.builders import build_unet, unet_config
-    from sdforge.io import write_json
-
     unet = build_unet(unet_config(params.models.unet.model_dump()), params.models.seed)
     for sub in ("unet", "unet_ema"):
         unet.save_pretrained(out / sub, safe_serialization=True)
@@ -102,8 +102,6 @@ def write_scratch_unet(params: Params, out: Path) -> None:
 
 def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=()) -> dict:
     """Mix, train and evaluate every phase for one train seed; the first and last phases' probe figures."""
-    from stages import eval_grid, mix_phase, train  # lazy: torch/diffusers after argument parsing
-
     work = out / f"seed-{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -103,8 +103,8 @@ def open_shard(path: Path) -> ShardArrays:
 
 def _safetensors(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str] | None) -> bytes:
     """safetensors bytes of a shard: latents as fp16, token ids as int32."""
-    import torch
-    from safetensors.torch import save
+    import torch  # lazy (~2 s): readers of the store (mix_phase, the loader) never write a shard
+    from safetensors.torch import save  # lazy: imports torch
 
     tensors = {
         "latents": latents.to(torch.float16).contiguous(),
