@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdforge.config import DemoData
-from sdforge.demo.shapes import ShapeSpec, SpecDeck, render, shown_specs
+from sdforge.demo.shapes import ShapeSpec, SpecDeck, render_spec, shown_specs
 from sdforge.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ def deck(cfg: DemoData, rng: np.random.Generator) -> SpecDeck:
 def draw(cfg: DemoData, specs: SpecDeck, rng: np.random.Generator) -> tuple[ShapeSpec, np.ndarray]:
     """The deck's next spec and its rendered RGB image at ``demo.image_size`` (position and size from ``rng``)."""
     spec = specs.draw()
-    img = render(spec, cfg.image_size, cfg.colours[spec.colour], cfg.backgrounds[spec.background], rng, cfg.half_size)
-    return spec, img
+    return spec, render_spec(cfg, spec, rng)
 
 
 def stable_hash(*parts: object) -> int:

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
 from diffusers import AutoencoderKL
@@ -23,7 +22,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from model.builders import build_tiny_text_encoder, build_tiny_vae, clip_vocab_and_merges, seeded
 from model.vae_training import latent_scaling_factor, reconstruct, train_vae
 from sdforge.config import DemoData, Eval, Models
-from sdforge.demo.shapes import ShapeSpec, probe, render, shown_specs
+from sdforge.demo.shapes import ShapeSpec, probe, render_spec, shown_specs
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +67,7 @@ def render_demo(demo: DemoData, pixels: int, n: int, rng: np.random.Generator) -
     uniformly from the shown combinations (never a held-out one)."""
     shown = shown_specs(list(demo.colours), list(demo.shapes), list(demo.backgrounds), demo.held_out)
     specs = [shown[int(i)] for i in rng.integers(0, len(shown), size=n)]
-    images = []
-    for spec in specs:
-        img = render(
-            spec, demo.image_size, demo.colours[spec.colour], demo.backgrounds[spec.background], rng, demo.half_size
-        )
-        if img.shape[0] != pixels:
-            img = cv2.resize(img, (pixels, pixels), interpolation=cv2.INTER_AREA)
-        images.append(img)
+    images = [render_spec(demo, spec, rng, pixels) for spec in specs]
     return np.stack(images), specs
 
 

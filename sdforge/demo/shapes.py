@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from sdforge.config import DemoData
+
 SHAPES = ("circle", "square", "triangle")
 TEMPLATE_SIZE = 32
 """Side of the shape templates the probe matches a foreground mask against (its bounding box scaled to this)."""
@@ -76,7 +78,7 @@ def render(
     colour_rgb: tuple[int, int, int],
     background_rgb: tuple[int, int, int],
     rng: np.random.Generator,
-    half_size: tuple[float, float] = (0.22, 0.32),
+    half_size: tuple[float, float],
 ) -> np.ndarray:
     """Draw ``spec`` as an RGB uint8 image of ``size``×``size``; position and scale jitter with ``rng``: the
     shape's half-width is drawn from ``half_size`` (fractions of ``size``), its centre anywhere it fits."""
@@ -95,6 +97,16 @@ def render(
         cv2.fillPoly(img, [pts], colour, lineType=cv2.LINE_AA)
     else:
         raise ValueError(f"shape must be one of {SHAPES}; got {spec.shape!r}")
+    return img
+
+
+def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixels: int | None = None) -> np.ndarray:
+    """``spec`` as the demo corpus draws it (its palette, ``demo.half_size``) at ``demo.image_size``, then
+    resized to ``pixels`` with INTER_AREA (how the fetch brings it to the training size) when given."""
+    colour, background = demo.colours[spec.colour], demo.backgrounds[spec.background]
+    img = render(spec, demo.image_size, colour, background, rng, demo.half_size)
+    if pixels is not None and pixels != demo.image_size:
+        img = cv2.resize(img, (pixels, pixels), interpolation=cv2.INTER_AREA)
     return img
 
 

@@ -5,12 +5,11 @@ Used by the ``eval_grid`` stage and by training's validation images (:mod:`sdfor
 
 from __future__ import annotations
 
-import cv2
 import numpy as np
 from PIL import Image, ImageDraw
 
 from sdforge.config import DemoData, Eval
-from sdforge.demo.shapes import parse_caption, probe, render
+from sdforge.demo.shapes import parse_caption, probe, render_spec
 from sdforge.eval.sampling import generate
 
 CELL = 128
@@ -91,11 +90,7 @@ def probe_truth(prompts: list[str], demo: DemoData, size: int, seed: int = 0) ->
         except ValueError:
             continue
         for _ in range(TRUTH_RENDERS):
-            img = render(
-                want, demo.image_size, demo.colours[want.colour], demo.backgrounds[want.background], rng, demo.half_size
-            )
-            if size != demo.image_size:
-                img = cv2.resize(img, (size, size), interpolation=cv2.INTER_AREA)
+            img = render_spec(demo, want, rng, size)
             got = probe(img, demo.colours, demo.backgrounds)
             colour_ok += got.colour == want.colour
             shape_ok += got.shape == want.shape

@@ -83,7 +83,8 @@ def test_agreement_is_reported_apart_for_seen_and_held_out_prompts():
 
     def image(prompt: str, colour: str | None = None) -> np.ndarray:
         spec = parse_caption(prompt)
-        return render(spec, 32, demo.colours[colour or spec.colour], demo.backgrounds[spec.background], rng)
+        rgb, background = demo.colours[colour or spec.colour], demo.backgrounds[spec.background]
+        return render(spec, 32, rgb, background, rng, demo.half_size)
 
     wrong = "green" if parse_caption(held[0]).colour != "green" else "red"
     images = [image(p) for p in seen] + [image(held[0], wrong), image(held[1])]
