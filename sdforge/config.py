@@ -165,6 +165,10 @@ class Tracking(Section):
     without MLflow, such as a bare GPU pod running ``bench/gpu/run.sh``, and throwaway smoke runs."""
     mlflow_uri: Url = "sqlite:///mlflow.db"
     experiment: str = "sdforge"
+    ui_url: Url = "http://127.0.0.1:5000"
+    """Where a user opens the MLflow UI when ``mlflow_uri`` is not a server (``make mlflow-ui`` serves the
+    SQLite store there): the base of the run links in Prefect artifacts and ``tools.report``. With an
+    ``http(s)`` tracking URI the links use that URI instead."""
 
 
 class Storage(Section):

@@ -42,6 +42,17 @@ def tracking_uri(cfg: Tracking) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or cfg.mlflow_uri
 
 
+def ui_base(cfg: Tracking) -> str:
+    """The MLflow UI's address: the tracking URI when it is a server, else ``tracking.ui_url``."""
+    uri = tracking_uri(cfg)
+    return (uri if uri.startswith(("http://", "https://")) else cfg.ui_url).rstrip("/")
+
+
+def run_url(cfg: Tracking, experiment_id: str, run_id: str) -> str:
+    """The MLflow UI page of one run."""
+    return f"{ui_base(cfg)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def _parent_run_id(client: Any, experiment_id: str, parent: str) -> str:
     runs = client.search_runs(
         [experiment_id],
