@@ -1,7 +1,17 @@
-"""MLflow tracking for stages: one parent run per phase (or ``data``), a child run per stage.
+"""MLflow tracking for stages: one parent run per phase (or ``data``, ``models``, ``report``), a child run
+per stage.
 
 The tracking URI is ``MLFLOW_TRACKING_URI`` when set (a server, in the full stack), else
 ``tracking.mlflow_uri`` from params (a git-ignored SQLite file by default).
+
+The parent run is what a user opens first, so it summarises its children (:func:`summarise`): each stage
+copies its headline figures onto it as ``<stage>.<metric>`` (``train.final_loss``,
+``filter_metadata.laion.rows_out``), its key artifacts (the eval grid), and a markdown section of the run's
+description (``mlflow.note.content``, sections ordered as the DAG). The phase's own params go on the parent
+too (``parent_params``); MLflow params cannot change, so a stage whose parent params differ from the newest
+parent run's (the phase was reconfigured and rerun) starts a new parent run of the same name and leaves
+the old one as history. The experiment is tagged as model training (``mlflow.experimentKind``), so MLflow
+3's UI opens its runs table rather than the GenAI view.
 """
 
 from __future__ import annotations
@@ -10,7 +20,9 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from sdforge.config import Tracking, redact_credentials
@@ -19,6 +31,20 @@ log = logging.getLogger(__name__)
 
 PARENT_TAG = "sdforge.parent"
 STAGE_TAG = "sdforge.stage"
+MLFLOW_PARENT_TAG = "mlflow.parentRunId"
+NOTE_TAG = "mlflow.note.content"
+"""A run's description (markdown) in the MLflow UI."""
+NOTE_SECTION_TAG = "sdforge.note."
+"""``sdforge.note.<NN>.<stage>[.<item>]``: a stage's section of its parent's description (NN: DAG order)."""
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+"""The experiment kind whose MLflow 3 UI opens on the runs table (untagged, it opens the GenAI view)."""
+STAGE_ORDER = (
+    "make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models",
+    "encode_latents", "mix_phase", "train", "eval_grid", "report",
+)
+MAX_TAG_CHARS = 8000
+"""MLflow's limit on a tag value (a longer description is cut)."""
 
 # Keys whose values never go to MLflow (credentials in params or env must not leak): logged as REDACTED.
 _SECRET_MARKERS = (
@@ -53,18 +79,41 @@ def run_url(cfg: Tracking, experiment_id: str, run_id: str) -> str:
     return f"{ui_base(cfg)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def _parent_run_id(client: Any, experiment_id: str, parent: str) -> str:
+def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: dict[str, str]) -> str:
+    """The newest parent run named ``parent`` whose params agree with ``parent_params`` (which it then
+    carries), or a new one when there is none or they differ."""
     runs = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status != 'DELETED'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
-    if runs:
-        return runs[0].info.run_id
-    run = client.create_run(experiment_id, run_name=parent, tags={PARENT_TAG: parent})
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
+    logged = runs[0].data.params if runs else {}
+    changed = sorted(k for k, v in parent_params.items() if k in logged and logged[k] != v)
+    if runs and not changed:
+        run_id = runs[0].info.run_id
+    else:
+        if changed:
+            log.info("%s: params %s changed since run %s: a new parent run", parent, changed, runs[0].info.run_id)
+        run = client.create_run(experiment_id, run_name=parent, tags={PARENT_TAG: parent})
+        client.set_terminated(run.info.run_id)
+        run_id, logged = run.info.run_id, {}
+    missing = [(k, v) for k, v in parent_params.items() if k not in logged]
+    if missing:
+        # lazy: mlflow (~2 s) is imported only when tracking is on
+        from mlflow.entities import Param
+
+        for i in range(0, len(missing), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(run_id, params=[Param(k, v) for k, v in missing[i : i + 100]])
+    return run_id
+
+
+def _model_training_experiment(mlflow: Any, name: str) -> Any:
+    """``mlflow.set_experiment(name)``, tagged as model training the first time."""
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING:
+        mlflow.MlflowClient().set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+    return experiment
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -102,11 +151,19 @@ NULL_TRACKING = NullTracking()
 
 
 @contextlib.contextmanager
-def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | None = None) -> Iterator[Any]:
+def stage_run(
+    cfg: Tracking,
+    parent: str,
+    stage: str,
+    params: dict[str, Any] | None = None,
+    parent_params: dict[str, Any] | None = None,
+) -> Iterator[Any]:
     """Open an MLflow child run named ``stage`` under the parent run ``parent``.
 
-    Yields the ``mlflow`` module with the run active, so callers use ``mlflow.log_metric`` etc.;
-    with ``tracking.enabled: false`` it yields :data:`NULL_TRACKING` and never imports mlflow.
+    ``parent_params`` (e.g. the phase's config) are logged on the parent run (see the module docstring for
+    what happens when they changed). Yields the ``mlflow`` module with the run active, so callers use
+    ``mlflow.log_metric`` and :func:`summarise`; with ``tracking.enabled: false`` it yields
+    :data:`NULL_TRACKING` and never imports mlflow.
     """
     if not cfg.enabled:
         log.info("tracking.enabled is false: %s/%s logs nothing to MLflow", parent, stage)
@@ -118,9 +175,9 @@ def stage_run(cfg: Tracking, parent: str, stage: str, params: dict[str, Any] | N
     uri = tracking_uri(cfg)
     with _env_untouched("MLFLOW_TRACKING_URI"):  # mlflow.set_tracking_uri also exports it to the env
         mlflow.set_tracking_uri(uri)
-        experiment = mlflow.set_experiment(cfg.experiment)
+        experiment = _model_training_experiment(mlflow, cfg.experiment)
         client = mlflow.MlflowClient()
-        parent_id = _parent_run_id(client, experiment.experiment_id, parent)
+        parent_id = _parent_run_id(client, experiment.experiment_id, parent, flatten(parent_params or {}))
         with mlflow.start_run(run_id=parent_id):
             with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
                 if params:
@@ -142,9 +199,65 @@ def _env_untouched(name: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-def log_stage(cfg: Tracking, parent: str, stage: str, metrics: dict[str, Any], params: dict[str, Any] | None = None):
-    """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run."""
+def numeric(metrics: dict[str, Any], keys: Iterable[str] | None = None) -> dict[str, float]:
+    """The numeric values of ``metrics`` (only ``keys`` when given; bools and missing keys are left out)."""
+    wanted = metrics if keys is None else {k: metrics[k] for k in keys if k in metrics}
+    return {k: float(v) for k, v in wanted.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def log_stage(
+    cfg: Tracking,
+    parent: str,
+    stage: str,
+    metrics: dict[str, Any],
+    params: dict[str, Any] | None = None,
+    *,
+    headline: Iterable[str] = (),
+    note: str | None = None,
+):
+    """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run; copy the
+    ``headline`` metrics and the ``note`` (a markdown section) onto the parent run (:func:`summarise`)."""
     with stage_run(cfg, parent, stage, params) as mlflow:
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        mlflow.log_metrics(numeric(metrics))
         text = redact_credentials(json.dumps(metrics, indent=2, sort_keys=True, default=str))
         mlflow.log_text(text, f"{stage.split('@')[0]}.json")
+        summarise(mlflow, metrics=numeric(metrics, headline), note=note)
+
+
+def summarise(
+    mlflow: Any,
+    *,
+    metrics: dict[str, float] | None = None,
+    note: str | None = None,
+    artifacts: Iterable[tuple[Path, str | None]] = (),
+    step: int = 0,
+) -> None:
+    """Copy what a user should see first onto the active stage run's parent run: ``metrics`` as
+    ``<stage>.<name>`` (``@`` in the stage becomes ``.``), ``artifacts`` (``(local file or dir, artifact
+    dir)`` pairs) and ``note``, this stage's section of the parent's description. Does nothing when
+    tracking is off."""
+    run = mlflow.active_run()
+    if run is None:
+        return
+    parent_id, stage = run.data.tags[MLFLOW_PARENT_TAG], run.data.tags[STAGE_TAG]
+    client, prefix = mlflow.MlflowClient(), stage.replace("@", ".")  # MLflow keys allow no "@"
+    if metrics:
+        # lazy: mlflow (~2 s) is imported only when tracking is on
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        client.log_batch(parent_id, metrics=[Metric(f"{prefix}.{k}", float(v), now, step) for k, v in metrics.items()])
+    for path, artifact_path in artifacts:
+        log_one = client.log_artifacts if Path(path).is_dir() else client.log_artifact
+        log_one(parent_id, str(path), artifact_path)
+    if note is not None:
+        client.set_tag(parent_id, f"{NOTE_SECTION_TAG}{_stage_rank(stage):02d}.{prefix}", note[:MAX_TAG_CHARS])
+        sections = client.get_run(parent_id).data.tags
+        text = "\n\n".join(v for k, v in sorted(sections.items()) if k.startswith(NOTE_SECTION_TAG))
+        client.set_tag(parent_id, NOTE_TAG, text[:MAX_TAG_CHARS])
+
+
+def _stage_rank(stage: str) -> int:
+    """The stage's place in :data:`STAGE_ORDER` (unknown stages last)."""
+    name = stage.split("@", 1)[0]
+    return STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER)

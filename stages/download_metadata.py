@@ -63,6 +63,8 @@ def run_stage(params: Params, item: str) -> dict:
         f"download_metadata@{item}",
         metrics,
         {"repo": source.repo, "revision": source.revision, "allow_patterns": source.allow_patterns},
+        headline=("files", "bytes"),
+        note=f"- download `{item}`: {metrics['files']} file(s), {metrics['bytes'] / 1e6:.3g} MB from `{source.repo}`",
     )
     return metrics
 

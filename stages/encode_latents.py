@@ -51,6 +51,7 @@ from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
 
+
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when available, else ``cpu``."""
     if device == "auto":
@@ -117,7 +118,17 @@ def run_stage(params: Params, source: str) -> dict:
         params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), Path(paths.latents) / source
     )
 
-    log_stage(params.tracking, "data", f"encode_latents@{source}", metrics, params.encode.model_dump())
+    note = f"- encode `{source}`: {metrics['samples']} latents {metrics['latent_shape']} ({metrics['precision']})"
+    headline = ("samples", "images_per_second")
+    log_stage(
+        params.tracking,
+        "data",
+        f"encode_latents@{source}",
+        metrics,
+        params.encode.model_dump(),
+        headline=headline,
+        note=note,
+    )
     return metrics
 
 

@@ -21,11 +21,17 @@ from sdforge.eval.grid import captioned_grid, probe_agreement, probe_truth, samp
 from sdforge.eval.metrics import image_metrics
 from sdforge.eval.sampling import load_pipeline
 from sdforge.io import stage_cli
-from sdforge.tracking import stage_run
+from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
 
 STRIPS = "strips"
+HEADLINE = (
+    "colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out",
+    "clip_score", "fid",
+)
+"""The eval figures copied onto the phase's parent run (those present: the probe at demo scale, CLIP score
+and FID where their weights are given)."""
 
 
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
@@ -74,14 +80,38 @@ def run_stage(params: Params, phase: str) -> dict:
     """Resolve phase ``phase``'s paths from ``params``, run, log to MLflow."""
     out_dir = Path(params.paths.eval) / phase
     metrics = run(params.eval, params.demo, Path(params.paths.models), Path(params.paths.checkpoints) / phase, out_dir)
-    with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump()) as mlflow:
+    parent_params = {"phase": params.phases[phase].model_dump()}
+    with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         mlflow.log_artifact(str(out_dir / "grid.png"))
         mlflow.log_artifact(str(out_dir / "probe.json"))
         mlflow.log_artifacts(str(out_dir / STRIPS), artifact_path=STRIPS)
         mlflow.set_tag("grid", str((out_dir / "grid.png").resolve()))
+        headline = {k: v for k, v in metrics.items() if k in HEADLINE and isinstance(v, int | float)}
+        artifacts = [(out_dir / "grid.png", None), (out_dir / STRIPS, STRIPS)]
+        summarise(mlflow, metrics=headline, note=eval_note(metrics, out_dir), artifacts=artifacts)
     log.info("eval grid: %s", (out_dir / "grid.png").resolve())
     return metrics
+
+
+def eval_note(metrics: dict, out_dir: Path) -> str:
+    """The eval section of the phase's MLflow description: the headline scores and where the images are."""
+    scores = [
+        f"{name} {metrics[key]:.0%} of {metrics[count]}"
+        for key, name, count in (
+            ("colour_agreement_seen", "colour (seen)", "probe_prompts_seen"),
+            ("shape_agreement_seen", "shape (seen)", "probe_prompts_seen"),
+            ("colour_agreement_held_out", "colour (held-out)", "probe_prompts_held_out"),
+            ("shape_agreement_held_out", "shape (held-out)", "probe_prompts_held_out"),
+        )
+        if metrics.get(key) is not None
+    ]
+    scores += [f"{key.replace('_', ' ')} {metrics[key]:.4g}" for key in ("clip_score", "fid") if metrics.get(key)]
+    found = "; ".join(scores) or "no automatic score (give eval.clip_model_path / eval.fid for CLIP score and FID)"
+    return (
+        f"**Eval** ({metrics['images']} images, EMA weights): {found}. Grid: `grid.png` and `strips/` "
+        f"(artifacts of this run; on disk `{out_dir}`)."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_KINDS = frozenset({"laion"}) | sources.LOCAL_KINDS
 
+
 @contextlib.contextmanager
 def maybe_serve(serve: tuple[Path, int] | None) -> Iterator[None]:
     """Serve ``(root, port)`` on loopback for the duration, or do nothing when ``serve`` is None."""
@@ -133,7 +134,20 @@ def run_stage(params: Params, item: str) -> dict[str, Any]:
         Path(params.paths.shards) / item,
         serve=serve,
     )
-    log_stage(params.tracking, "data", f"fetch_images@{item}", metrics, source.fetch.model_dump())
+    note = (
+        f"- fetch `{item}`: {metrics['successes']} of {metrics['samples']} images "
+        f"({metrics['success_rate']:.1%}) in {metrics['shards']} WebDataset shard(s)"
+    )
+    headline = ("samples", "successes", "success_rate")
+    log_stage(
+        params.tracking,
+        "data",
+        f"fetch_images@{item}",
+        metrics,
+        source.fetch.model_dump(),
+        headline=headline,
+        note=note,
+    )
     return metrics
 
 

@@ -20,7 +20,7 @@ from sdforge.ingest import sources
 from sdforge.ingest.sources.laion.filter import filter_laion
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_figure
 from sdforge.io import InputError, stage_cli
-from sdforge.tracking import stage_run
+from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,12 @@ def log_to_mlflow(
     with stage_run(tracking, parent="data", stage=f"filter_metadata@{name}", params=params) as mlflow:
         mlflow.log_metrics(metrics)
         mlflow.log_dict(metrics, f"filter_metadata/{name}.json")
+        rows_in, rows_out = metrics["rows_in"], metrics["rows_out"]
+        kept = f"{rows_out / rows_in:.1%}" if rows_in else "-"
+        note = (
+            f"- filter `{name}`: {rows_in} → {rows_out} rows kept ({kept}); the drops per rule are this run's metrics"
+        )
+        summarise(mlflow, metrics={"rows_in": rows_in, "rows_out": rows_out}, note=note)
         if hist is not None:
             fig = histogram_figure(hist, source.filter, metrics["rows_in"], metrics["rows_out"])
             mlflow.log_figure(fig, f"filter_metadata/{name}_histograms.png")

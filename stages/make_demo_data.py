@@ -53,7 +53,16 @@ def run(cfg: DemoData, out_dir: str | Path) -> dict[str, int]:
 def run_stage(params: Params, _item: None) -> dict:
     """Resolve the demo corpus' paths from ``params``, run, log to MLflow."""
     metrics = run(params.demo, params.paths.demo_source)
-    log_stage(params.tracking, "data", "make_demo_data", metrics, params.demo.model_dump())
+    note = "**Demo corpus**: off (demo.enabled: false)"
+    if metrics.get("enabled"):
+        note = (
+            f"**Demo corpus**: {metrics['good_rows']} good LAION-schema rows of {metrics['laion_rows_total']} (the "
+            f"rest are bad rows the filter must drop), {metrics['archive_images']} DiffusionDB-format images"
+        )
+    headline = ("laion_rows_total", "good_rows", "archive_images")
+    log_stage(
+        params.tracking, "data", "make_demo_data", metrics, params.demo.model_dump(), headline=headline, note=note
+    )
     return metrics
 
 

@@ -21,7 +21,7 @@ from sdforge.config import Params, Phase
 from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
 from sdforge.latents.mix import split_counts
 from sdforge.latents.store import MANIFEST
-from sdforge.tracking import stage_run
+from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,26 @@ def run_stage(params: Params, phase_name: str) -> dict:
 
     digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))
     logged = {"mix": phase.mix, "samples": phase.samples, "with_replacement": phase.with_replacement}
-    with stage_run(params.tracking, phase_name, "mix_phase", {**logged, "index_sha256": digest}) as mlflow:
+    parent_params = {"phase": phase.model_dump()}
+    index = Path(params.paths.mixes) / f"{phase_name}.parquet"
+    logged["index_sha256"] = digest
+    with stage_run(params.tracking, phase_name, "mix_phase", logged, parent_params) as mlflow:
         mlflow.log_metrics(metrics)
         mlflow.log_figure(_composition_figure(metrics), "mix_composition.png")
+        headline = {k: v for k, v in metrics.items() if k == "samples" or k.startswith("samples.")}
+        summarise(mlflow, metrics=headline, note=mix_note(phase_name, phase, metrics, index))
     return metrics
+
+
+def mix_note(phase_name: str, phase: Phase, metrics: dict, index: Path) -> str:
+    """The data section of the phase's MLflow description: its purpose and where its samples come from."""
+    parts = [
+        f"{source} {metrics[f'samples.{source}']} ({metrics[f'obtained_fraction.{source}']:.0%})"
+        for source in sorted(phase.mix)
+        if f"samples.{source}" in metrics
+    ]
+    title = f"### {phase_name}" + (f": {phase.description}" if phase.description else "")
+    return f"{title}\n\n**Data**: {metrics['samples']} samples: {', '.join(parts)}; index `{index}`."
 
 
 def main(argv: list[str] | None = None) -> None:

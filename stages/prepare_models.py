@@ -37,19 +37,13 @@ from diffusers import AutoencoderKL
 from safetensors.torch import save_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from model.builders import (
-    build_unet,
-    count_parameters,
-    noise_scheduler,
-    unet_config,
-    vae_downsample_factor,
-)
+from model.builders import build_unet, count_parameters, noise_scheduler, unet_config, vae_downsample_factor
 from model.sampler import encode_prompts
 from sdforge.architectures import build_random_text_encoder, build_random_vae, write_clip_tokenizer
 from sdforge.config import SCRATCH, ConfigError, DemoData, Eval, Models, Params
 from sdforge.demo.models import build_demo_components
 from sdforge.io import stage_cli, write_json
-from sdforge.tracking import stage_run
+from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +173,15 @@ def run_stage(params: Params, _item: None) -> dict[str, Any]:
     """Resolve the paths from ``params``, run, log to the ``models`` parent run in MLflow."""
     models = params.models
     metrics = run(models, params.demo, params.eval, params.paths.models, Path(params.paths.checkpoints) / SCRATCH)
+    headline = [k for k in metrics if k.endswith("_params") or k.startswith(("vae_recon", "vae_probe"))]
+    note = (
+        f"**Models** (`{params.paths.models}`, {models.source}): VAE {metrics['vae_params']:,} params, text encoder "
+        f"{metrics['text_encoder_params']:,}, UNet {metrics['unet_params']:,} (seeded, `{SCRATCH}`)"
+    )
+    if "vae_recon_mae" in metrics:
+        note += f"; VAE reconstruction MAE {metrics['vae_recon_mae']:.3g} (0–255)"
     dumped = {"models": models.model_dump()}
-    with stage_run(params.tracking, parent="models", stage="prepare_models", params=dumped) as mlflow:
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
-        mlflow.log_dict(metrics, "prepare_models.json")
+    log_stage(params.tracking, "models", "prepare_models", metrics, dumped, headline=headline, note=note)
     return metrics
 
 

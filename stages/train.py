@@ -7,7 +7,8 @@ metrics JSON and logs to MLflow; the launcher only waits and forwards SIGTERM/SI
 Resumable: checkpoints go to ``${paths.runs}/<phase>/`` (not a DVC output, so they survive a
 killed ``dvc repro``); a rerun with the same inputs continues from the newest good checkpoint
 mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_ema/`` (EMA),
-``state.json``. The loop itself is :mod:`sdforge.training.trainer`.
+``state.json``; ``${paths.metrics}/train_loss/<phase>.csv``: the phase's loss curve. The loop itself is
+:mod:`sdforge.training.trainer`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from pathlib import Path
 import torch
 
 from sdforge.config import ConfigError, Params, Train, load_params
-from sdforge.io import InputError, setup_logging, stage_cli
+from sdforge.io import InputError, metrics_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
 from sdforge.training.launch import launch, needs_launch, torchrun_command
 from sdforge.training.phase_run import NOT_TRAINING, export_phase, fingerprint, prepare_run_dir, tail_mean
 from sdforge.training.resume import restore_newest
-from sdforge.training.step_log import StepLogger
+from sdforge.training.step_log import LOSS_CURVE, StepLogger, write_loss_curve
 from sdforge.training.trainer import Trainer, train_loop
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         "samples": len(tr.data),
         "epochs": tr.progress.epoch,
         "final_loss": final_loss,
+        "mean_loss": None,
         "world_size": dist.world,
         "seconds": round(elapsed, 2),
         "samples_per_s": round(
@@ -103,6 +105,8 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         ),
     }
     if dist.is_main:
+        curve = metrics_path(params, LOSS_CURVE, phase_name).with_suffix(".csv")
+        metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)
         export_phase(tr, Path(paths.checkpoints) / phase_name, final_loss)
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)
     return metrics

@@ -4,6 +4,7 @@ progress bar with ETA, and the phase's final figures.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from sdforge.config import Params
 from sdforge.eval.grid import captioned_grid
-from sdforge.tracking import stage_run
+from sdforge.tracking import stage_run, summarise
 from sdforge.training.trainer import Trainer
 from sdforge.training.validation import Validator
 
@@ -24,6 +25,13 @@ it redoes after the checkpoint again: the last line of a step is the one that co
 
 STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "samples_per_s")
 """Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
+PARENT_STEP_METRICS = ("loss", "lr")
+"""Also logged on the phase's parent run (as ``train.loss``, ``train.lr``), so its page charts the curve."""
+LOSS_CURVE = "train_loss"
+"""``${paths.metrics}/train_loss/<phase>.csv``: the phase's ``step,loss,lr`` curve (a DVC plot of ``train``,
+read by the ``report`` stage)."""
+HEADLINE = ("final_loss", "mean_loss", "steps", "samples", "seconds", "samples_per_s")
+"""The run's figures copied onto the phase's parent run."""
 
 
 class StepLogger:
@@ -54,6 +62,7 @@ class StepLogger:
                 "unet": params.models.unet.model_dump(),
                 "run": {"world": tr.dist.world, "total_steps": tr.total_steps, "device": str(tr.dist.device)},
             },
+            parent_params={"phase": params.phases[phase_name].model_dump()},
         )
         self.mlflow = self._ctx.__enter__()
         self.bar = tqdm(
@@ -83,6 +92,7 @@ class StepLogger:
             metrics["gpu_mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.cuda) / 2**30
             torch.cuda.reset_peak_memory_stats(self.cuda)
         self.mlflow.log_metrics(metrics, step=step)
+        summarise(self.mlflow, metrics={k: metrics[k] for k in PARENT_STEP_METRICS}, step=step)
         self.window = []
 
     def _log_validation(self, step: int) -> None:
@@ -95,11 +105,31 @@ class StepLogger:
         numeric = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
         self.mlflow.log_metrics({f"run_{k}" if k in STEP_METRICS else k: v for k, v in numeric.items()})
         self.mlflow.set_tag("checkpoint", str(out_dir.resolve()))
+        headline = {k: numeric[k] for k in HEADLINE if k in numeric}
+        summarise(self.mlflow, metrics=headline, note=training_note(self.tr, metrics, out_dir))
 
     def close(self) -> None:
         self.steps_file.close()
         self.bar.close()
         self._ctx.__exit__(None, None, None)
+
+
+def training_note(tr: Trainer, metrics: dict, out_dir: Path) -> str:
+    """The training section of the phase's MLflow description: what was trained from what, how, and where
+    the weights are."""
+    phase = tr.phase
+    gamma = "off" if phase.min_snr_gamma is None else f"{phase.min_snr_gamma:g}"
+    losses = f"final loss {metrics['final_loss']:.4f}" if metrics.get("final_loss") is not None else "no loss"
+    if metrics.get("mean_loss") is not None:
+        losses += f" (mean {metrics['mean_loss']:.4f})"
+    return (
+        f"**Training**: {metrics['steps']} optimizer steps over {metrics['samples']} samples × {phase.epochs} "
+        f"epoch(s) on {metrics['world_size']} process(es), from `{phase.init_from}` ({phase.init_weights} weights); "
+        f"peak LR {phase.lr:g}, warmup {phase.warmup_steps} steps, CFG dropout {phase.cfg_dropout:g}, "
+        f"Min-SNR γ {gamma}, batch {phase.batch_size} × {phase.grad_accum} accumulation per process. "
+        f"{losses}; {metrics['seconds']:.0f} s, {metrics['samples_per_s']:.1f} samples/s.\n\n"
+        f"**Weights**: `{out_dir}` (EMA: `unet_ema/`, live: `unet/`, diffusers format)."
+    )
 
 
 def read_steps(run_dir: Path) -> dict[int, dict]:
@@ -118,3 +148,16 @@ def read_steps(run_dir: Path) -> dict[int, dict]:
             continue
         steps[int(record["step"])] = record
     return dict(sorted(steps.items()))
+
+
+def write_loss_curve(run_dir: Path, path: Path) -> float | None:
+    """Write the phase's step log (the last record of each step, :func:`read_steps`) as ``step,loss,lr`` CSV at
+    ``path``; return the mean loss over those steps (None when there are none)."""
+    steps = read_steps(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(("step", "loss", "lr"))
+        out.writerows((step, f"{r['loss']:.6g}", f"{r['lr']:.6g}") for step, r in steps.items())
+    losses = [r["loss"] for r in steps.values()]
+    return round(sum(losses) / len(losses), 6) if losses else None
