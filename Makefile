@@ -71,7 +71,7 @@ demo: venv
 	wait $$pid; rc=$$?; trap - INT TERM; \
 	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \
 	[ $$rc -eq 0 ] || exit $$rc; \
-	$(PY) -m tools.report
+	$(PY) -m tools.results
 
 # PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
 preflight: venv

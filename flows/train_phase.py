@@ -1,4 +1,5 @@
-"""Flow ``train-phase``: every DVC stage up to one phase's eval grid, in order.
+"""Flow ``train-phase``: every DVC stage up to one phase's eval grid, in order; the last phase's flow
+ends with the cross-phase ``report`` stage.
 
 Run from the repo root (the deployments' pull step changes into it), e.g.::
 
@@ -16,16 +17,29 @@ import argparse
 import json
 from pathlib import Path
 
+import yaml
 from prefect import flow
 
 from flows.dvc_ops.dag import upstream_stages
 from flows.tasks import RunOptions, run_stages
 from sdforge.config import Params, load_params
 
+REPORT_STAGE = "report"
+"""The cross-phase report (stages/report.py): run after the last phase's eval grid."""
+
 
 def phase_target(phase: str) -> str:
     """The last stage of a phase."""
     return f"eval_grid@{phase}"
+
+
+def flow_targets(root: Path, params: Params, phase: str) -> list[str]:
+    """The phase's eval grid, and for the last phase also the report (when ``dvc.yaml`` defines it)."""
+    targets = [phase_target(phase)]
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages", {})
+    if phase == params.phase_names()[-1] and REPORT_STAGE in stages:
+        targets.append(REPORT_STAGE)
+    return targets
 
 
 def run_options(
@@ -55,7 +69,8 @@ def train_phase(
     force_stage: str | None = None,
     use_remote: bool = True,
 ) -> dict:
-    """Run (or with ``dry_run`` only list) the stages upstream of ``eval_grid@<phase>``.
+    """Run (or with ``dry_run`` only list) the stages upstream of ``eval_grid@<phase>`` (and of ``report``
+    for the last phase).
 
     The project root is the working directory. DVC skips every stage that is up to date;
     ``force_stage`` (e.g. ``train@phase1``) reruns that one stage regardless.
@@ -66,12 +81,13 @@ def train_phase(
 def run_phase(
     phase: str, dry_run: bool, stage_timeout_s: float | None, force_stage: str | None, use_remote: bool
 ) -> dict:
-    """The stages up to ``eval_grid@<phase>`` in the working directory (the body of both phase flows)."""
+    """The stages up to ``eval_grid@<phase>`` (and ``report`` after the last phase) in the working directory
+    (the body of both phase flows)."""
     root = Path.cwd()
     params = load_params(root / "params.yaml")
-    target = phase_target(checked_phase(params, phase))
+    targets = flow_targets(root, params, checked_phase(params, phase))
     options = run_options(params, dry_run, stage_timeout_s, force_stage, use_remote)
-    return run_stages(root, target, upstream_stages(root, target), options)
+    return run_stages(root, " + ".join(targets), upstream_stages(root, targets), options)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -167,7 +167,7 @@ class Tracking(Section):
     experiment: str = "sdforge"
     ui_url: Url = "http://127.0.0.1:5000"
     """Where a user opens the MLflow UI when ``mlflow_uri`` is not a server (``make mlflow-ui`` serves the
-    SQLite store there): the base of the run links in Prefect artifacts and ``tools.report``. With an
+    SQLite store there): the base of the run links in Prefect artifacts and ``tools.results``. With an
     ``http(s)`` tracking URI the links use that URI instead."""
 
 

@@ -1,6 +1,7 @@
 """``sdforge`` — user-facing commands: ``generate`` samples images from a phase checkpoint, ``export`` writes
-it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow), ``preflight`` runs the
-full configuration's whole DAG on a small sample and forecasts the full run (docs/PREFLIGHT.md)."""
+it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow), ``report`` writes the
+cross-phase report (``eval/report.html``), ``preflight`` runs the full configuration's whole DAG on a small
+sample and forecasts the full run (docs/PREFLIGHT.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
+from stages import report as report_stage
+from stages.report import REPORT
 from tools.preflight import add_arguments as add_preflight_arguments
 from tools.preflight import preflight
 
@@ -81,6 +84,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """The cross-phase report over the phases that have finished (``stages.report``, outside DVC)."""
+    params = load_params(args.params)
+    out = Path(params.paths.eval) / REPORT
+    if args.mlflow:
+        report_stage.run_stage(params, None)
+    else:
+        report_stage.run(params, out)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sdforge`` argument parser."""
     parser = argparse.ArgumentParser(prog="sdforge", description=__doc__)
@@ -107,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
     exp.add_argument("--params", default="params.yaml")
     exp.set_defaults(func=_export)
+    rep = sub.add_parser("report", help="write eval/report.html comparing the phases that have finished")
+    rep.add_argument("--mlflow", action="store_true", help="also log it to MLflow (as the report stage does)")
+    rep.add_argument("--params", default="params.yaml")
+    rep.set_defaults(func=_report)
     pre = sub.add_parser("preflight", help="run the full configuration's whole DAG on a small sample; forecast the run")
     add_preflight_arguments(pre)
     pre.set_defaults(func=preflight)
