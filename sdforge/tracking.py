@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -34,8 +35,9 @@ STAGE_TAG = "sdforge.stage"
 MLFLOW_PARENT_TAG = "mlflow.parentRunId"
 NOTE_TAG = "mlflow.note.content"
 """A run's description (markdown) in the MLflow UI."""
-NOTE_SECTION_TAG = "sdforge.note."
-"""``sdforge.note.<NN>.<stage>[.<item>]``: a stage's section of its parent's description (NN: DAG order)."""
+NOTE_SECTION = re.compile(r"<!-- sdforge:(\S+) -->\n")
+"""Opens each stage's section of a parent's description, ``<!-- sdforge:<NN>.<stage>[.<item>] -->`` (NN: the
+stage's DAG position): invisible in the rendered markdown, it lets a stage replace its own section."""
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 """The experiment kind whose MLflow 3 UI opens on the runs table (untagged, it opens the GenAI view)."""
@@ -74,9 +76,28 @@ def ui_base(cfg: Tracking) -> str:
     return (uri if uri.startswith(("http://", "https://")) else cfg.ui_url).rstrip("/")
 
 
+MODEL_TRAINING_VIEW = "?workflowType=machine_learning"
+"""MLflow 3.17's UI opens every page in its GenAI view unless the URL (or the user's sidebar switch) asks for
+model training; the experiment's kind tag alone does not change that."""
+
+
+def ui_route(experiment_id: str, run_id: str | None = None, artifact: str | None = None) -> str:
+    """The MLflow UI's route (after its address) to an experiment's runs table, a run's overview (params,
+    metrics, description) or one of its artifacts, in the model-training view."""
+    route = f"/#/experiments/{experiment_id}"
+    if run_id:
+        route += f"/runs/{run_id}" + (f"/artifacts/{artifact}" if artifact else "")
+    return route + MODEL_TRAINING_VIEW
+
+
+def experiment_url(cfg: Tracking, experiment_id: str) -> str:
+    """The MLflow UI page of an experiment: its runs table."""
+    return ui_base(cfg) + ui_route(experiment_id)
+
+
 def run_url(cfg: Tracking, experiment_id: str, run_id: str) -> str:
-    """The MLflow UI page of one run."""
-    return f"{ui_base(cfg)}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The MLflow UI page of one run (overview: params, metrics, description)."""
+    return ui_base(cfg) + ui_route(experiment_id, run_id)
 
 
 def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: dict[str, str]) -> str:
@@ -251,10 +272,18 @@ def summarise(
         log_one = client.log_artifacts if Path(path).is_dir() else client.log_artifact
         log_one(parent_id, str(path), artifact_path)
     if note is not None:
-        client.set_tag(parent_id, f"{NOTE_SECTION_TAG}{_stage_rank(stage):02d}.{prefix}", note[:MAX_TAG_CHARS])
-        sections = client.get_run(parent_id).data.tags
-        text = "\n\n".join(v for k, v in sorted(sections.items()) if k.startswith(NOTE_SECTION_TAG))
-        client.set_tag(parent_id, NOTE_TAG, text[:MAX_TAG_CHARS])
+        current = client.get_run(parent_id).data.tags.get(NOTE_TAG, "")
+        client.set_tag(parent_id, NOTE_TAG, with_section(current, f"{_stage_rank(stage):02d}.{prefix}", note))
+
+
+def with_section(note: str, key: str, text: str) -> str:
+    """``note`` with its section ``key`` set to ``text`` (added or replaced), sections ordered by key; cut to
+    MLflow's tag limit. Text before the first section marker (a user's own words) is kept first."""
+    parts = NOTE_SECTION.split(note)
+    head, sections = parts[0].strip(), dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
+    sections[key] = text.strip()
+    body = "\n\n".join(f"<!-- sdforge:{k} -->\n{v}" for k, v in sorted(sections.items()))
+    return (f"{head}\n\n{body}" if head else body)[:MAX_TAG_CHARS]
 
 
 def _stage_rank(stage: str) -> int:

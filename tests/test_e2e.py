@@ -69,8 +69,10 @@ def metrics(project: Path, stage: str, item: str | None = None) -> dict:
 
 def test_every_stage_ran_once(project):
     ran = ran_stages((project / "first_run.log").read_text())
-    assert len(ran) == len(set(ran)) == 1 + 3 * 2 + 1 + 2 + 3 * 2  # demo, 3 data×2, models, encode×2, 3×2 phases
+    # demo, 3 data×2, models, encode×2, 3×2 phases, report
+    assert len(ran) == len(set(ran)) == 1 + 3 * 2 + 1 + 2 + 3 * 2 + 1
     assert ran.index("train@phase1") < ran.index("train@phase2")
+    assert ran[-1] == "report"
 
 
 def test_filter_drops_exactly_the_injected_bad_rows(project):
@@ -145,9 +147,64 @@ def test_mlflow_has_phase_run_with_grid(project):
     every = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` != ''", max_results=1000)
     stages = {r.data.tags["sdforge.stage"].split("@")[0] for r in every}
     assert stages == {"make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models",
-                      "encode_latents", "mix_phase", "train", "eval_grid"}
+                      "encode_latents", "mix_phase", "train", "eval_grid", "report"}
     train_runs = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'")
     assert {len(client.get_metric_history(r.info.run_id, "loss")) > 0 for r in train_runs} == {True}
+
+
+def test_phase_parent_run_summarises_its_stages(project):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`sdforge.parent` = 'phase2'")
+    train, ev, mix = (metrics(project, s, "phase2") for s in ("train", "eval_grid", "mix_phase"))
+    got = parent.data.metrics
+    assert got["train.final_loss"] == train["final_loss"] and got["train.steps"] == train["steps"]
+    assert got["train.mean_loss"] == train["mean_loss"] and got["mix_phase.samples"] == mix["samples"]
+    assert got["eval_grid.shape_agreement_seen"] == ev["shape_agreement_seen"]
+    assert parent.data.params["phase.init_from"] == "phase1" and "phase.lr" in parent.data.params
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.index("**Data**") < note.index("**Training**") < note.index("**Weights**") < note.index("**Eval**")
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"grid.png", "strips"}
+    curve = (project / "metrics/train_loss/phase2.csv").read_text().splitlines()
+    assert curve[0] == "step,loss,lr" and len(curve) == 1 + train["steps"]
+    (data,) = client.search_runs([exp.experiment_id], "tags.`sdforge.parent` = 'data'")
+    filtered = metrics(project, "filter_metadata", "laion")
+    assert data.data.metrics["filter_metadata.laion.rows_out"] == filtered["rows_out"]
+    assert "fetch `laion`" in data.data.tags["mlflow.note.content"]
+
+
+def test_report_compares_the_phases_and_is_logged(project):
+    page = (project / "eval/report.html").read_text()
+    rows = [r for r in page.split("<tr>")[2:]]
+    assert [r.split("</td>")[0].removeprefix("<td>") for r in rows] == ["phase1", "phase2"]
+    assert page.count("data:image/png;base64,") == 1 + 2  # the loss chart + one strip per eval category
+    assert metrics(project, "report") == {"phases": 2, "phases_reported": 2, "images": 3, "bytes": len(page.encode())}
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    (report,) = client.search_runs([exp.experiment_id], "tags.`sdforge.parent` = 'report'")
+    assert {a.path for a in client.list_artifacts(report.info.run_id)} == {"report.html", "loss.png", "strips"}
+    assert report.data.metrics["report.phase2.final_loss"] == metrics(project, "train", "phase2")["final_loss"]
+
+
+def test_mlflow_ui_pages_in_a_browser(project, tmp_path):
+    """The pages a user opens, in headless Chromium over ``mlflow server``: runs table, phase run, grid, report."""
+    if not Path("/usr/bin/chromium").exists():
+        if os.environ.get("SDFORGE_REQUIRE_BROWSER") == "1":
+            pytest.fail("SDFORGE_REQUIRE_BROWSER=1 but /usr/bin/chromium is missing (apt-get install chromium)")
+        pytest.skip("no /usr/bin/chromium (apt-get install chromium; .ci/run installs it)")
+    proc = subprocess.run([sys.executable, "-m", "tools.browser_check", "--out", str(tmp_path)], cwd=project,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert len([line for line in lines if line.startswith("PASS ")]) == 7 and not any("FAIL" in x for x in lines)
+    shots = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert shots == ["1-experiment.png", "2-phase-run.png", "3-grid-artifact.png", "4-report.png"]
+    assert all(Image.open(tmp_path / s).size[0] == 1600 for s in shots)
 
 
 def test_second_repro_runs_nothing_and_lr_change_reruns_that_phase_and_later(project):
@@ -157,4 +214,6 @@ def test_second_repro_runs_nothing_and_lr_change_reruns_that_phase_and_later(pro
     params["phases"]["phase1"]["lr"] = params["phases"]["phase1"]["lr"] / 2
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     changed = dvc(project, "repro")
-    assert sorted(ran_stages(changed)) == ["eval_grid@phase1", "eval_grid@phase2", "train@phase1", "train@phase2"]
+    assert sorted(ran_stages(changed)) == [
+        "eval_grid@phase1", "eval_grid@phase2", "report", "train@phase1", "train@phase2"
+    ]

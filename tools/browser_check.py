@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sdforge.config import Params, load_params
-from sdforge.tracking import PARENT_TAG, tracking_uri
+from sdforge.tracking import PARENT_TAG, tracking_uri, ui_route
 from tools.tiny_demo import free_port
 
 log = logging.getLogger("sdforge.browser_check")
@@ -95,12 +96,73 @@ def newest_parent(client, experiment_id: str, name: str):
     return runs[0] if runs else None
 
 
-def _text(page, url: str, wait_for: str) -> str:
-    """Load ``url`` and return the page's text once ``wait_for`` shows."""
+def _text(page, url: str, wait_for: list[str]) -> str:
+    """Load ``url`` and return the page's text once it holds every string of ``wait_for`` (or, when they never
+    all show, after :data:`PAGE_TIMEOUT_MS`: the checks then fail on what is missing)."""
+    # lazy: playwright is only needed when checking
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.goto(url)
-    page.get_by_text(wait_for, exact=False).first.wait_for(timeout=PAGE_TIMEOUT_MS)
-    page.wait_for_load_state("networkidle")
+    try:
+        page.wait_for_function(
+            "(words) => words.every(w => document.body.innerText.includes(w))", arg=wait_for, timeout=PAGE_TIMEOUT_MS
+        )
+    except PlaywrightTimeout:
+        log.warning("%s: still missing some of %s after %d ms", url, wait_for, PAGE_TIMEOUT_MS)
     return page.inner_text("body")
+
+
+def check_experiment(page, base: str, experiment_id: str, parents: list[str], out: Path, checks: Checks) -> None:
+    """The experiment opens on the runs table, listing every parent run."""
+    text = _text(page, base + ui_route(experiment_id), ["Run Name", *parents])
+    page.screenshot(path=str(out / "1-experiment.png"))
+    missing = [name for name in parents if name not in text.split()]
+    checks.add("experiment opens on the runs table with every parent run", not missing,
+               f"missing: {missing}" if missing else ", ".join(parents))
+
+
+def check_phase_run(page, base: str, run, train: dict, out: Path, checks: Checks) -> None:
+    """The phase's parent run shows its params, the train stage's figures and its description."""
+    name = run.data.tags[PARENT_TAG]
+    text = _text(page, base + ui_route(run.info.experiment_id, run.info.run_id), ["train.final_loss", "Weights"])
+    page.screenshot(path=str(out / "2-phase-run.png"), full_page=True)
+    counts = {k: int(n) for k, n in re.findall(r"(Metrics|Parameters) \((\d+)\)", text)}
+    checks.add(f"{name} run lists metrics and params", counts.get("Metrics", 0) > 0 < counts.get("Parameters", 0),
+               f"{counts}")
+    shown = {k: str(train[k]) in text for k in ("final_loss", "steps", "samples_per_s")}
+    checks.add(f"{name} run shows train's final_loss, steps, samples/s", all(shown.values()),
+               ", ".join(f"{k}={train[k]}" for k in shown))
+    checks.add(f"{name} run shows its description", all(w in text for w in ("Training", "Weights", "Eval")))
+
+
+def check_grid(page, base: str, run, grid: Path, out: Path, checks: Checks) -> None:
+    """The phase's ``grid.png`` artifact is shown and the image loads at the size of ``grid`` on disk."""
+    # lazy: PIL only to read the grid's size
+    from PIL import Image
+
+    want = Image.open(grid).size
+    page.goto(base + ui_route(run.info.experiment_id, run.info.run_id, "grid.png"))
+    js = "([w, h]) => [...document.images].some(i => i.complete && i.naturalWidth === w && i.naturalHeight === h)"
+    try:
+        page.wait_for_function(js, arg=list(want), timeout=PAGE_TIMEOUT_MS)
+        loaded = True
+    except Exception:  # noqa: BLE001 - playwright's TimeoutError: recorded as a failed check
+        loaded = False
+    page.screenshot(path=str(out / "3-grid-artifact.png"))
+    checks.add("grid.png artifact loads", loaded, f"{want[0]}×{want[1]} px like {grid}")
+
+
+def check_report(page, base: str, run, phases: list[str], out: Path, checks: Checks) -> None:
+    """The ``report`` run's ``report.html`` renders, with every phase in its table and its images loaded."""
+    page.goto(base + ui_route(run.info.experiment_id, run.info.run_id, "report.html"))
+    frame = page.frame_locator("iframe").first
+    frame.locator("#phases").wait_for(timeout=PAGE_TIMEOUT_MS)
+    table = frame.locator("#phases").inner_text()
+    loaded = frame.locator("img").evaluate_all("(imgs) => imgs.filter(i => i.naturalWidth > 0).length")
+    page.screenshot(path=str(out / "4-report.png"))
+    missing = [p for p in phases if p not in table]
+    checks.add("report.html artifact lists every phase", not missing, f"missing: {missing}" if missing else "")
+    checks.add("report.html images load", loaded >= 2, f"{loaded} images")
 
 
 def check_pages(params: Params, base: str, out: Path, checks: Checks) -> None:
@@ -109,43 +171,19 @@ def check_pages(params: Params, base: str, out: Path, checks: Checks) -> None:
     import mlflow
     from playwright.sync_api import sync_playwright
 
-    phase = params.phase_names()[-1]
+    phases = params.phase_names()
     client = mlflow.MlflowClient(tracking_uri(params.tracking))
     experiment = client.get_experiment_by_name(params.tracking.experiment)
-    run, report = (newest_parent(client, experiment.experiment_id, n) for n in (phase, "report"))
-    train = json.loads((Path(params.paths.metrics) / "train" / f"{phase}.json").read_text())
+    run, report = (newest_parent(client, experiment.experiment_id, n) for n in (phases[-1], "report"))
+    train = json.loads((Path(params.paths.metrics) / "train" / f"{phases[-1]}.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
-        exp_url = f"{base}/#/experiments/{experiment.experiment_id}"
-        text = _text(page, exp_url, phase)
-        page.screenshot(path=str(out / "1-experiment.png"))
-        names = [n for n in params.phase_names() + ["data", "models", "report"] if n in text]
-        checks.add("experiment opens on the runs table", "Traces" not in text[:400] and phase in text,
-                   f"{len(names)} parent runs listed: {', '.join(names)}")
-        run_url = f"{exp_url}/runs/{run.info.run_id}"
-        text = _text(page, run_url, "train.final_loss")
-        page.screenshot(path=str(out / "2-phase-run.png"), full_page=True)
-        final = f"{train['final_loss']:.4g}"[:5]
-        checks.add(f"{phase} run shows train.final_loss {train['final_loss']}", final in text)
-        checks.add(f"{phase} run shows its params", "phase.lr" in text and "Parameters (0)" not in text)
-        checks.add(f"{phase} run shows its description", "Training" in text and "Weights" in text)
-        page.goto(f"{run_url}/artifacts/grid.png")
-        img = page.locator("img[src*='grid.png']").first
-        img.wait_for(timeout=PAGE_TIMEOUT_MS)
-        page.wait_for_function("(el) => el.complete && el.naturalWidth > 0", arg=img.element_handle(),
-                               timeout=PAGE_TIMEOUT_MS)
-        width = img.evaluate("(el) => el.naturalWidth")
-        page.screenshot(path=str(out / "3-grid-artifact.png"))
-        checks.add(f"{phase} grid.png artifact loads", width > 0, f"{width} px wide")
-        page.goto(f"{exp_url}/runs/{report.info.run_id}/artifacts/report.html")
-        frame = page.frame_locator("iframe").first
-        frame.locator("#phases").wait_for(timeout=PAGE_TIMEOUT_MS)
-        table = frame.locator("#phases").inner_text()
-        page.screenshot(path=str(out / "4-report.png"))
-        missing = [n for n in params.phase_names() if n not in table]
-        checks.add("report.html artifact lists every phase", not missing, f"missing: {missing}" if missing else "")
+        check_experiment(page, base, experiment.experiment_id, phases + ["data", "models", "report"], out, checks)
+        check_phase_run(page, base, run, train, out, checks)
+        check_grid(page, base, run, Path(params.paths.eval) / phases[-1] / "grid.png", out, checks)
+        check_report(page, base, report, phases, out, checks)
         browser.close()
 
 

@@ -3,6 +3,8 @@ changed parent params start a new parent run; the experiment opens as model trai
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sdforge.config import Tracking
@@ -14,6 +16,7 @@ from sdforge.tracking import (
     log_stage,
     stage_run,
     summarise,
+    with_section,
 )
 
 
@@ -62,7 +65,8 @@ def test_phase_parent_carries_params_headline_metrics_artifact_and_ordered_note(
     }
     history = client.get_metric_history(parent.info.run_id, "train.loss")
     assert [(m.step, m.value) for m in history] == [(10, 0.5), (20, 0.25)]
-    assert data.tags[NOTE_TAG] == "### phase1\n\n**Data** section\n\n**Training** section\n\n**Eval** section"
+    assert _visible(data.tags[NOTE_TAG]) == "### phase1\n\n**Data** section\n\n**Training** section\n\n**Eval** section"
+    assert not [k for k in data.tags if k.startswith("sdforge.note")]  # the Tags panel stays readable
     assert [a.path for a in client.list_artifacts(parent.info.run_id)] == ["grid.png"]
     children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(r.data.tags["sdforge.stage"] for r in children) == ["eval_grid", "mix_phase", "train"]
@@ -97,7 +101,19 @@ def test_data_stages_log_headline_per_source_and_one_line_each(store):
         "make_demo_data.good_rows": 480.0,
     }
     # DAG order first (make_demo_data before filter_metadata), then the stage@source names
-    assert parent.data.tags[NOTE_TAG] == "**Demo corpus**\n\n- filter `diffusiondb`\n\n- filter `laion`"
+    assert _visible(parent.data.tags[NOTE_TAG]) == "**Demo corpus**\n\n- filter `diffusiondb`\n\n- filter `laion`"
+
+
+def test_a_stage_replaces_its_own_section_and_keeps_the_users_words():
+    note = with_section("My notes.", "07.train", "old training")
+    note = with_section(note, "06.mix_phase", "data")
+    note = with_section(note, "07.train", "new training")
+    assert _visible(note) == "My notes.\n\ndata\n\nnew training"
+
+
+def _visible(note: str) -> str:
+    """The description as the MLflow UI renders it: the section markers (HTML comments) are invisible."""
+    return re.sub(r"<!-- sdforge:\S+ -->\n", "", note)
 
 
 def test_summarise_does_nothing_when_tracking_is_off(tmp_path):
