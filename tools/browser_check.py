@@ -181,9 +181,15 @@ def check_pages(params: Params, base: str, out: Path, checks: Checks) -> None:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         check_experiment(page, base, experiment.experiment_id, phases + ["data", "models", "report"], out, checks)
-        check_phase_run(page, base, run, train, out, checks)
-        check_grid(page, base, run, Path(params.paths.eval) / phases[-1] / "grid.png", out, checks)
-        check_report(page, base, report, phases, out, checks)
+        if run is None:
+            checks.add(f"a {phases[-1]} parent run exists", False)
+        else:
+            check_phase_run(page, base, run, train, out, checks)
+            check_grid(page, base, run, Path(params.paths.eval) / phases[-1] / "grid.png", out, checks)
+        if report is None:
+            checks.add("a report parent run exists", False)
+        else:
+            check_report(page, base, report, phases, out, checks)
         browser.close()
 
 
