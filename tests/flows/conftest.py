@@ -263,7 +263,9 @@ def ran_here(project: Path) -> list[str]:
 def artifacts_of(flow_run_id) -> dict[str, object]:
     """The Prefect artifacts of one flow run, by key (or type when it has no key)."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
+    of_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
     with get_client(sync_client=True) as client:
-        found = [a for a in client.read_artifacts(limit=200) if a.flow_run_id == flow_run_id]
+        found = client.read_artifacts(artifact_filter=of_run, limit=200)
     return {(a.key or a.type): a for a in found}
