@@ -2,14 +2,14 @@
 
 Per stage: restore its outputs from the DVC remote if they were pushed for the same inputs (a fresh
 clone or pod), ``dvc repro --single-item`` it, push its outputs and run-cache entry, and publish a
-markdown artifact with its metrics. The flow's progress is a progress artifact updated per stage.
-Network work (downloads, restore, push) is retried with backoff; every subprocess has a timeout.
+markdown artifact with its metrics. The flow's progress is a progress artifact updated per stage; when
+the loop ends (done or failed) a table artifact tells what happened to every stage, and a failure gets an
+artifact of its own (flows/run_artifacts.py). Network work (downloads, restore, push) is retried with
+backoff; every subprocess has a timeout.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
@@ -18,12 +18,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.dvc_ops.runner import StageFailed, StageOutcome, kill_group, run_dvc_stage, stage_env
-from sdforge.tracking import PARENT_TAG, STAGE_TAG
+from flows.run_artifacts import (
+    StageRow,
+    artifact_key,
+    publish_failure,
+    publish_stage_artifact,
+    publish_stage_table,
+    stage_run_url,
+)
+from sdforge.config import Tracking, load_params
 
 NETWORK_STAGE_PREFIXES = ("download_metadata", "fetch_images")
 """Stages that talk to the network: a failure there is often transient, so they are retried."""
@@ -50,6 +58,8 @@ class RunOptions:
     use_remote: bool = True
     """With a default DVC remote (``storage.dvc_remote``): restore before, push after each stage."""
     metrics_dir: str = "metrics"
+    tracking: Tracking | None = None
+    """Where the stages' MLflow runs are, for the artifacts' links; None: ``tracking`` of ``<root>/params.yaml``."""
 
 
 def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> StageOutcome:
@@ -71,11 +81,6 @@ def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> St
         tail = "\n".join(out.splitlines()[-40:])
         raise StageFailed(f"dvc repro --force --single-item {stage} exited {proc.returncode}:\n{tail}")
     return StageOutcome(stage=stage, status="ran", seconds=round(time.monotonic() - start, 2))
-
-
-def artifact_key(prefix: str, stage: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes: ``stage-train-phase1``."""
-    return f"{prefix}-" + re.sub(r"[^a-z0-9]+", "-", stage.lower()).strip("-")
 
 
 class StageProgress:
@@ -179,80 +184,49 @@ def push_stage(root: str, stage: str) -> str:
     return result
 
 
-def metrics_path(root: str | Path, metrics_dir: str, stage: str) -> Path:
-    """``metrics/<stage>/<item>.json`` for ``stage@item``, ``metrics/<stage>.json`` otherwise."""
-    name, _, item = stage.partition("@")
-    return Path(root) / metrics_dir / (f"{name}/{item}.json" if item else f"{name}.json")
+def run_stage(root: str, stage: str, options: RunOptions, remote: bool) -> tuple[dict, str | None]:
+    """Restore (with a remote, unless forced), repro and push one stage: its outcome and restore status."""
+    force = stage == options.force_stage
+    restore = restore_stage(root, stage) if remote and not force else None
+    outcome = stage_task(stage)(root, stage, options.timeout_s, force)
+    if remote and restore != "pulled":  # what was just pulled is on the remote already
+        push_stage(root, stage)
+    return outcome, restore
 
 
-def mlflow_run_link(stage: str) -> str | None:
-    """A link to the newest MLflow run of ``stage`` when the tracking URI is a server, else None.
-
-    Data stages tag their run ``name@item``; phase stages tag it ``name`` under the phase's parent run.
-    """
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if not uri.startswith(("http://", "https://")):
-        return None
+def run_row(root: str, row: StageRow, options: RunOptions, remote: bool, tracking: Tracking) -> dict:
+    """Run ``row.stage`` and fill in its row (a failure marks it ``failed`` and raises); publish its artifact."""
+    start = time.monotonic()
     try:
-        # lazy: mlflow (~2 s) only to find a stage run for its link
-        import mlflow
-
-        client = mlflow.MlflowClient(uri)
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        name, _, item = stage.partition("@")
-        filters = [f"tags.`{STAGE_TAG}` = '{stage}'"]
-        if item:
-            parents = client.search_runs(experiments, f"tags.`{PARENT_TAG}` = '{item}'")
-            filters += [
-                f"tags.`{STAGE_TAG}` = '{name}' and tags.`mlflow.parentRunId` = '{p.info.run_id}'" for p in parents
-            ]
-        runs = [
-            r for f in filters
-            for r in client.search_runs(experiments, f, order_by=["attributes.start_time DESC"], max_results=1)
-        ]
-    except Exception:  # noqa: BLE001 - a link is a convenience; the stage has finished either way
-        return None
-    if not runs:
-        return None
-    info = max(runs, key=lambda r: r.info.start_time).info
-    return f"{uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+        outcome, restore = run_stage(root, row.stage, options, remote)
+    except Exception:
+        row.outcome, row.seconds = "failed", round(time.monotonic() - start, 2)
+        raise
+    row.outcome = "pulled" if restore == "pulled" else outcome["status"]
+    row.seconds = round(time.monotonic() - start, 2)
+    row.mlflow = stage_run_url(tracking, row.stage, root) or ""
+    publish_stage_artifact(root, row.stage, outcome, restore, options.metrics_dir, row.mlflow or None)
+    return outcome
 
 
-def stage_markdown(stage: str, outcome: dict, restore: str | None, metrics: dict | None, link: str | None) -> str:
-    rows = [f"### {stage}", "", f"**{outcome['status']}** in {outcome['seconds']:.1f} s"]
-    if restore:
-        rows[-1] += f" (remote: {restore})"
-    if link:
-        rows += ["", f"MLflow run: [{link}]({link})"]
-    if metrics is None:
-        rows += ["", "_no metrics file_"]
-        return "\n".join(rows)
-    rows += ["", "| metric | value |", "|---|---|"]
-    for key, value in sorted(metrics.items()):
-        text = json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
-        rows.append(f"| {key} | {text.replace('|', '/')[:200]} |")
-    return "\n".join(rows)
-
-
-def publish_stage_artifact(root: str, stage: str, outcome: dict, restore: str | None, metrics_dir: str) -> None:
-    """A markdown artifact (key ``stage-<name>-<item>``) with the stage's metrics JSON and MLflow link."""
-    path = metrics_path(root, metrics_dir, stage)
-    try:
-        metrics = json.loads(path.read_text())
-        metrics = metrics if isinstance(metrics, dict) else {"value": metrics}
-    except (OSError, ValueError):
-        metrics = None
-    create_markdown_artifact(
-        stage_markdown(stage, outcome, restore, metrics, mlflow_run_link(stage)),
-        key=artifact_key("stage", stage), description=f"{stage}: {outcome['status']}",
-    )
+def run_rows(root: str, target: str, rows: list[StageRow], options: RunOptions, remote: bool) -> list[dict]:
+    """Each row's stage in order, the flow's progress artifact updated after each; the outcomes."""
+    tracking = options.tracking or load_params(Path(root) / "params.yaml").tracking
+    progress = create_progress_artifact(0.0, description=f"stages up to {target}")
+    outcomes = []
+    for i, row in enumerate(rows):
+        outcomes.append(run_row(root, row, options, remote, tracking))
+        update_progress_artifact(progress, 100.0 * (i + 1) / len(rows), description=f"{row.stage}: {row.outcome}")
+    return outcomes
 
 
 def run_stages(root: Path, target: str, stages: list[str], options: RunOptions | None = None) -> dict:
     """Run ``stages`` one after the other (a failure stops the flow); return a summary.
 
     ``ran`` / ``restored`` / ``skipped`` classify what ``dvc repro`` did; ``pulled`` lists the
-    stages whose outputs came from the remote (they show up as restored or skipped too).
+    stages whose outputs came from the remote (they show up as restored or skipped too). The
+    ``stages-<target>`` table artifact is published either way; a failure also publishes
+    ``failure-<target>`` and is raised again.
     """
     options = options or RunOptions()
     logger = get_run_logger()
@@ -263,26 +237,21 @@ def run_stages(root: Path, target: str, stages: list[str], options: RunOptions |
     if options.dry_run:
         return summary
     start = time.monotonic()
-    progress = create_progress_artifact(0.0, description=f"stages up to {target}")
     remote = options.use_remote and configure_remote(str(root))
-    outcomes, pulled = [], []
-    for i, stage in enumerate(stages):
-        force = stage == options.force_stage
-        restore = restore_stage(str(root), stage) if remote and not force else None
-        if restore == "pulled":
-            pulled.append(stage)
-        outcome = stage_task(stage)(str(root), stage, options.timeout_s, force)
-        if remote and restore != "pulled":  # what was just pulled is on the remote already
-            push_stage(str(root), stage)
-        publish_stage_artifact(str(root), stage, outcome, restore, options.metrics_dir)
-        outcomes.append(outcome)
-        update_progress_artifact(progress, 100.0 * (i + 1) / len(stages), description=f"{stage}: {outcome['status']}")
+    rows = [StageRow(stage) for stage in stages]
+    try:
+        outcomes = run_rows(str(root), target, rows, options, remote)
+    except Exception as exc:
+        publish_failure(target, rows, exc)
+        raise
+    publish_stage_table(target, rows)
     for status in ("ran", "restored", "skipped"):
         summary[status] = [o["stage"] for o in outcomes if o["status"] == status]
-    summary["pulled"] = pulled
+    summary["pulled"] = [r.stage for r in rows if r.outcome == "pulled"]
     summary["seconds"] = round(time.monotonic() - start, 1)
     logger.info(
         "done in %.1f s: %d ran, %d restored from run cache, %d skipped (unchanged); %d pulled from the remote",
-        summary["seconds"], len(summary["ran"]), len(summary["restored"]), len(summary["skipped"]), len(pulled),
+        summary["seconds"], len(summary["ran"]), len(summary["restored"]), len(summary["skipped"]),
+        len(summary["pulled"]),
     )
     return summary

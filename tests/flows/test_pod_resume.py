@@ -57,6 +57,10 @@ def test_pod_dies_mid_train_and_a_fresh_clone_resumes(tmp_path, moto_s3, prefect
     assert "(remote: pulled)" in artifacts["stage-mix-phase-phase1"].data
     assert "| samples | 3 |" in artifacts["stage-mix-phase-phase1"].data
     assert artifacts["progress"].data == 100.0
+    table = json.loads(artifacts["stages-eval-grid-phase1"].data)
+    assert [(r["stage"], r["outcome"]) for r in table] == [
+        ("prepare", "pulled"), ("mix_phase@phase1", "pulled"), ("train@phase1", "ran"), ("eval_grid@phase1", "ran"),
+    ]
 
     # another new pod after the phase finished: everything comes from the remote
     pod3 = fresh_clone(pod1, tmp_path / "pod3")
