@@ -137,3 +137,19 @@ def test_an_unloadable_checkpoint_is_one_line_naming_it(project, tmp_path, caplo
     everything = caplog.text + "".join(capsys.readouterr())
     assert "weights_only" not in everything and "Traceback" not in everything
     assert not (tmp_path / "out").exists()
+
+
+def test_report_writes_the_page_for_the_phases_finished_so_far(project, capsys):
+    root, params_file, _ = project
+    params = load_params(params_file)
+    metrics = Path(params.paths.metrics)
+    (metrics / "train").mkdir(parents=True, exist_ok=True)
+    (metrics / "train" / "phase1.json").write_text('{"steps": 7, "final_loss": 0.4321}')
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", "--params", str(params_file)])
+    assert exit_.value.code == 0
+    out = Path(params.paths.eval) / "report.html"
+    assert capsys.readouterr().out.split() == [str(out)]
+    page = out.read_text()
+    phases = params.phase_names()
+    assert "<td>0.4321</td>" in page and page.count("not run yet") == len(phases) - 1
