@@ -27,7 +27,7 @@ REPORT = "report.html"
 def run(params: Params, out: Path) -> Report:
     """Build the report over ``params``' phases and write its page to ``out``."""
     report = build_report(
-        f"sdforge: {params.tracking.experiment}, {len(params.phases)} phases",
+        f"sdforge report: experiment '{params.tracking.experiment}', {len(params.phases)} phases",
         {name: params.phases[name].model_dump() for name in params.phase_names()},
         list(params.eval.prompts),
         Path(params.paths.metrics),

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from sdforge.config import load_params
-from sdforge.tracking import PARENT_TAG, run_url, tracking_uri, ui_base
+from sdforge.tracking import PARENT_TAG, experiment_url, run_url, tracking_uri, ui_base
 from stages.report import REPORT
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if uri.startswith("sqlite:"):
         print(f"Open the UI: make mlflow-ui, then {ui_base(cfg)}")
     if experiment is not None:
-        print(f"Experiment '{cfg.experiment}' (runs table): {ui_base(cfg)}/#/experiments/{experiment.experiment_id}")
+        print(f"Experiment '{cfg.experiment}' (runs table): {experiment_url(cfg, experiment.experiment_id)}")
     for name, run in runs.items():
         link = run_url(cfg, run.info.experiment_id, run.info.run_id) if run else "none found"
         print(f"MLflow run '{name}': {link}")

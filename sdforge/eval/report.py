@@ -166,7 +166,7 @@ def table_html(phases: list[PhaseResults]) -> str:
     rows = []
     for p in phases:
         cfg = p.config
-        mix = ", ".join(f"{k} {v:g}" for k, v in cfg.get("mix", {}).items())
+        mix = ", ".join(f"{k} {mix_share(v)}" for k, v in cfg.get("mix", {}).items())
         gamma = cfg.get("min_snr_gamma")
         cells = [p.name, mix, cfg.get("init_from", ""), f"{cfg.get('lr', 0):g}", str(cfg.get("warmup_steps", "")),
                  f"{cfg.get('cfg_dropout', 0):g}", "off" if gamma is None else f"{gamma:g}"]
@@ -177,6 +177,11 @@ def table_html(phases: list[PhaseResults]) -> str:
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     header = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     return f'<table id="phases"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def mix_share(value: int | float) -> str:
+    """A mix entry as shown: a fraction as a percentage (``0.6`` → ``60%``), a sample count as a number."""
+    return f"{value:,}" if isinstance(value, int) else f"{value:.0%}"
 
 
 STYLE = """
@@ -220,14 +225,18 @@ def build_report(
     return Report(page, images, per_phase, len(phases), sum(not p.missing for p in phases))
 
 
+PROBE_NOTE = "; colour and shape: the demo probe's agreement with the prompt over seen and held-out combinations"
+
+
 def render_html(title: str, phases: list[PhaseResults], loss_png: bytes | None, strips: dict[str, bytes]) -> str:
     """The whole report as one HTML page (images as data URIs, no external resource)."""
+    probed = any(p.value("eval_grid", "colour_agreement_seen") is not None for p in phases)
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
         "<h2>Phases</h2>",
-        "<p>Each phase starts from the previous phase's EMA weights. Figures from <code>metrics/</code>; the "
-        "agreement columns are the demo probe's (colour and shape read back from each generated image).</p>",
+        f"<p>Each phase starts from the weights of its <i>init</i> (its EMA weights by default). Figures from "
+        f"<code>metrics/</code>{PROBE_NOTE if probed else ''}.</p>",
         f'<div class="scroll">{table_html(phases)}</div>',
         "<h2>Training loss</h2>",
         _img(loss_png, "loss curves of all phases") if loss_png else "<p>No loss curve yet.</p>",

@@ -62,9 +62,9 @@ def test_report_lays_out_every_phase_the_loss_chart_and_strips(tmp_path):
     # columns no phase has (held-out agreement, CLIP, FID) are left out
     assert header[7:] == ["samples", "steps", "final loss", "mean loss", "train s", "samples/s", "colour seen",
                           "shape seen"]
-    assert cells[0] == ["phase1", "laion 1", "scratch", "0.0001", "50", "0.1", "off", "480", "30", "0.0876",
+    assert cells[0] == ["phase1", "laion 100%", "scratch", "0.0001", "50", "0.1", "off", "480", "30", "0.0876",
                         "0.2000", "469", "51.2", "100%", "94%"]
-    assert cells[1][:7] == ["phase2", "laion 0.6, coco 0.4", "phase1", "2e-05", "5", "0.15", "5"]
+    assert cells[1][:7] == ["phase2", "laion 60%, coco 40%", "phase1", "2e-05", "5", "0.15", "5"]
     assert cells[2][7] == "not run yet"
     assert (report.phases, report.phases_reported) == (3, 2)
     assert report.per_phase["phase1.final_loss"] == 0.0876 and report.per_phase["phase2.shape_agreement_seen"] == 1
