@@ -6,8 +6,10 @@ Starts ``mlflow server`` over the workspace's tracking store on a free loopback 
 Chromium driven by Playwright: the experiment (it must open on the runs table, listing the phase runs), the
 last phase's parent run (its params, headline metrics with the values of ``metrics/train/<phase>.json``, and
 its description), that run's ``grid.png`` artifact (the image must load: non-zero natural size), and the
-``report`` run's ``report.html`` artifact (its table must list every phase). Saves a screenshot of each page
-to ``--out`` and prints one line per check; exits 1 when a check fails. Needs ``/usr/bin/chromium``
+``report`` run's ``report.html`` artifact (its table must list every phase). With ``--prefect-ui`` (after
+``make stack-up`` and a deployment run), also the newest flow run's stage table artifact: every stage with
+its outcome, the MLflow cells as links, and the last one followed to its MLflow run. Saves a screenshot of
+each page to ``--out`` and prints one line per check; exits 1 when a check fails. Needs ``/usr/bin/chromium``
 (``apt-get install chromium``; ``.ci/run`` installs it) and the ``playwright`` package (no browser download).
 """
 
@@ -26,6 +28,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sdforge.config import Params, load_params
 from sdforge.tracking import PARENT_TAG, tracking_uri, ui_route
@@ -165,8 +168,9 @@ def check_report(page, base: str, run, phases: list[str], out: Path, checks: Che
     checks.add("report.html images load", loaded >= 2, f"{loaded} images")
 
 
-def check_pages(params: Params, base: str, out: Path, checks: Checks) -> None:
-    """Open the experiment, the last phase's parent run, its grid and the report; record the checks."""
+def check_pages(params: Params, base: str, out: Path, checks: Checks, prefect_ui: str | None = None) -> None:
+    """Open the experiment, the last phase's parent run, its grid and the report (and with ``prefect_ui``
+    the newest flow run's stage table); record the checks."""
     # lazy: playwright and mlflow are only needed when checking
     import mlflow
     from playwright.sync_api import sync_playwright
@@ -190,7 +194,48 @@ def check_pages(params: Params, base: str, out: Path, checks: Checks) -> None:
             checks.add("a report parent run exists", False)
         else:
             check_report(page, base, report, phases, out, checks)
+        if prefect_ui:
+            check_prefect(page, prefect_ui, out, checks)
         browser.close()
+
+
+def newest_stage_table() -> tuple[str, list[dict]]:
+    """The newest ``stages-<target>`` table artifact on the Prefect server of ``PREFECT_API_URL``: its id and
+    rows (flows/run_artifacts.py)."""
+    # lazy: the Prefect client only for the Prefect check
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterType
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    tables = ArtifactFilter(type=ArtifactFilterType(any_=["table"]))
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=tables, sort=ArtifactSort.CREATED_DESC, limit=50)
+    artifact = next(a for a in found if (a.key or "").startswith("stages-"))
+    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    return str(artifact.id), rows
+
+
+def check_prefect(page, prefect_ui: str, out: Path, checks: Checks) -> None:
+    """The newest flow run's stage table shows every stage with its outcome, its MLflow cells are links,
+    and following the last stage's link opens that stage's MLflow run."""
+    artifact_id, rows = newest_stage_table()
+    text = _text(page, f"{prefect_ui.rstrip('/')}/artifacts/artifact/{artifact_id}", [r["stage"] for r in rows])
+    page.screenshot(path=str(out / "5-prefect-stage-table.png"), full_page=True)
+    shown = [r["stage"] for r in rows if r["stage"] in text and r["outcome"] in text]
+    outcomes = sorted({r["outcome"] for r in rows})
+    checks.add("Prefect stage table lists every stage with its outcome", len(shown) == len(rows),
+               f"{len(shown)}/{len(rows)} stages; outcomes {outcomes}")
+    links = page.eval_on_selector_all("a[href*='#/experiments/']", "els => els.map(e => e.href)")
+    wanted = [r["mlflow"] for r in rows if r["mlflow"]]
+    checks.add("its MLflow cells are links", links == wanted, f"{len(links)} links for {len(wanted)} runs")
+    if not wanted:
+        return
+    stage = next(r["stage"] for r in reversed(rows) if r["mlflow"])
+    page.locator(f"a[href='{wanted[-1]}']").first.click()
+    name = stage.split("@")[0]
+    text = _text(page, wanted[-1], ["Overview", name])
+    page.screenshot(path=str(out / "6-prefect-link-to-mlflow.png"))
+    checks.add(f"following {stage}'s link opens its MLflow run", "Metrics" in text and name in text, wanted[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,14 +243,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", default="screenshots", help="folder for the page screenshots")
     ap.add_argument("--port", type=int, default=0, help="port of the MLflow server it starts (default: a free one)")
+    ap.add_argument("--prefect-ui", default=None, metavar="URL",
+                    help="also check the newest flow run's stage table there (PREFECT_API_URL set); MLflow is then "
+                         "served at tracking.ui_url, where the table's links point")
     args = ap.parse_args(argv)
     params = load_params(args.params)
     if not os.path.exists(CHROMIUM):
         print(f"{CHROMIUM} not found: apt-get install chromium", file=sys.stderr)
         return 2
+    port = args.port or (urlsplit(params.tracking.ui_url).port if args.prefect_ui else None) or free_port()
     checks = Checks()
-    with mlflow_server(tracking_uri(params.tracking), Path.cwd(), args.port or free_port()) as base:
-        check_pages(params, base, Path(args.out), checks)
+    with mlflow_server(tracking_uri(params.tracking), Path.cwd(), port) as base:
+        check_pages(params, base, Path(args.out), checks, args.prefect_ui)
     return 0 if checks.ok else 1
 
 
