@@ -22,7 +22,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.dvc_ops.runner import StageFailed, StageOutcome, kill_group, run_dvc_stage, stage_env
+from flows.dvc_ops.runner import run_dvc_stage, stage_env
 from flows.run_artifacts import (
     StageRow,
     artifact_key,
@@ -62,27 +62,6 @@ class RunOptions:
     """Where the stages' MLflow runs are, for the artifacts' links; None: ``tracking`` of ``<root>/params.yaml``."""
 
 
-def _force_repro(root: str, stage: str, log_line, timeout_s: float | None) -> StageOutcome:
-    """``dvc repro --force --single-item <stage>`` in its own session (flows/dvc_ops/runner.py has no --force)."""
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dvc", "repro", "--force", "--single-item", stage],
-        cwd=root, env=stage_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        text=True, errors="replace", start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except BaseException:
-        kill_group(proc)
-        raise
-    for line in out.splitlines():  # str.splitlines also splits at a progress bar's \r
-        log_line(line)
-    if proc.returncode != 0:
-        tail = "\n".join(out.splitlines()[-40:])
-        raise StageFailed(f"dvc repro --force --single-item {stage} exited {proc.returncode}:\n{tail}")
-    return StageOutcome(stage=stage, status="ran", seconds=round(time.monotonic() - start, 2))
-
-
 class StageProgress:
     """Forward a stage's output lines to ``log``; a progress-bar line (tqdm's ``12/300 [``) updates the
     stage's progress artifact instead, and is logged at most every ``every_s`` seconds."""
@@ -120,10 +99,7 @@ def repro_stage(root: str, stage: str, timeout_s: float | None = None, force: bo
     progress bars to a progress artifact."""
     logger = get_run_logger()
     log_line = StageProgress(stage, logger.info)
-    if force:
-        outcome = _force_repro(root, stage, log_line, timeout_s)
-    else:
-        outcome = run_dvc_stage(root, stage, log_line=log_line, timeout_s=timeout_s)
+    outcome = run_dvc_stage(root, stage, log_line=log_line, timeout_s=timeout_s, force=force)
     logger.info("stage %s: %s in %.1f s", stage, outcome.status, outcome.seconds)
     return asdict(outcome)
 

@@ -265,12 +265,14 @@ def run_dvc_stage(
     *,
     log_line: Callable[[str], None] = print,
     timeout_s: float | None = None,
+    force: bool = False,
 ) -> StageOutcome:
-    """``dvc repro --single-item <stage>`` in ``root``; stream each output line to ``log_line``.
+    """``dvc repro --single-item <stage>`` (``--force`` with ``force``: run it even if unchanged) in ``root``;
+    stream each output line to ``log_line``.
 
     Raises :class:`StageFailed` with the last lines of output on a non-zero exit or a timeout.
     """
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    cmd = [sys.executable, "-m", "dvc", "repro", *(["--force"] if force else []), "--single-item", stage]
     start = time.monotonic()
     deadline = None if timeout_s is None else start + timeout_s
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)

@@ -170,3 +170,14 @@ def test_timeout_kills_the_stage_with_its_dvc(project):
     while _alive(stage_pid):
         assert time.monotonic() < deadline, "the stage command outlived its dvc"
         time.sleep(0.05)
+
+
+def test_force_reruns_an_unchanged_stage_and_a_forced_timeout_keeps_the_output_tail(project):
+    """``force=True`` is ``dvc repro --force``: an up-to-date stage runs again; killed on timeout, the error
+    still ends with the stage's last output lines (a hung forced stage must say where it hung)."""
+    assert run_dvc_stage(project, "quick", log_line=lambda _: None).status == "ran"
+    assert run_dvc_stage(project, "quick", log_line=lambda _: None).status == "skipped"
+    assert run_dvc_stage(project, "quick", log_line=lambda _: None, force=True).status == "ran"
+    with pytest.raises(StageFailed, match="timed out") as failed:
+        run_dvc_stage(project, "hold", log_line=lambda _: None, timeout_s=12, force=True)
+    assert "Running stage 'hold'" in str(failed.value)
