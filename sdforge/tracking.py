@@ -100,9 +100,12 @@ def run_url(cfg: Tracking, experiment_id: str, run_id: str) -> str:
     return ui_base(cfg) + ui_route(experiment_id, run_id)
 
 
-def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: dict[str, str]) -> str:
+def _parent_run_id(
+    client: Any, experiment_id: str, parent: str, parent_params: dict[str, str], stage: str = ""
+) -> str:
     """The newest parent run named ``parent`` whose params agree with ``parent_params`` (which it then
-    carries), or a new one when there is none or they differ."""
+    carries), or a new one when there is none or they differ. A new one replacing a changed run starts with
+    the summary of the stages before ``stage`` in the DAG (they did not rerun: ``stage`` and later will)."""
     runs = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status != 'DELETED'",
@@ -118,6 +121,8 @@ def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: 
             log.info("%s: params %s changed since run %s: a new parent run", parent, changed, runs[0].info.run_id)
         run = client.create_run(experiment_id, run_name=parent, tags={PARENT_TAG: parent})
         client.set_terminated(run.info.run_id)
+        if changed:
+            _carry_summary(client, runs[0], run.info.run_id, _stage_rank(stage))
         run_id, logged = run.info.run_id, {}
     missing = [(k, v) for k, v in parent_params.items() if k not in logged]
     if missing:
@@ -127,6 +132,27 @@ def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: 
         for i in range(0, len(missing), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run_id, params=[Param(k, v) for k, v in missing[i : i + 100]])
     return run_id
+
+
+def _carry_summary(client: Any, old: Any, new_id: str, before_rank: int) -> None:
+    """Copy onto ``new_id`` the headline metrics and description sections of ``old``'s stages that come
+    before ``before_rank`` in :data:`STAGE_ORDER`."""
+    # lazy: mlflow (~2 s) is imported only when tracking is on
+    from mlflow.entities import Metric
+
+    earlier = [
+        Metric(key, value, old.info.start_time, 0)
+        for key, value in old.data.metrics.items()
+        if _stage_rank(key.split(".", 1)[0]) < before_rank
+    ]
+    for i in range(0, len(earlier), 1000):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(new_id, metrics=earlier[i : i + 1000])
+    note = old.data.tags.get(NOTE_TAG, "")
+    parts = NOTE_SECTION.split(note)
+    for key, text in zip(parts[1::2], parts[2::2], strict=True):
+        if int(key.split(".", 1)[0]) < before_rank:
+            note_now = client.get_run(new_id).data.tags.get(NOTE_TAG, "")
+            client.set_tag(new_id, NOTE_TAG, with_section(note_now, key, text))
 
 
 def _model_training_experiment(mlflow: Any, name: str) -> Any:
@@ -198,7 +224,7 @@ def stage_run(
         mlflow.set_tracking_uri(uri)
         experiment = _model_training_experiment(mlflow, cfg.experiment)
         client = mlflow.MlflowClient()
-        parent_id = _parent_run_id(client, experiment.experiment_id, parent, flatten(parent_params or {}))
+        parent_id = _parent_run_id(client, experiment.experiment_id, parent, flatten(parent_params or {}), stage)
         with mlflow.start_run(run_id=parent_id):
             with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
                 if params:

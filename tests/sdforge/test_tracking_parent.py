@@ -74,15 +74,21 @@ def test_phase_parent_carries_params_headline_metrics_artifact_and_ordered_note(
 
 
 def test_changed_parent_params_start_a_new_parent_run_and_keep_the_old(store):
+    """An LR change reruns train and eval_grid, not mix_phase: the new parent starts with mix_phase's summary."""
     cfg, client = store
+    with stage_run(cfg, "phase2", "mix_phase", None, {"phase": {"lr": 1e-4}}) as mlflow:
+        summarise(mlflow, metrics={"samples": 48}, note="**Data** 48")
     for lr in (1e-4, 1e-4, 2e-4):
         with stage_run(cfg, "phase2", "train", None, {"phase": {"lr": lr}}) as mlflow:
-            summarise(mlflow, metrics={"final_loss": lr * 1000})
+            summarise(mlflow, metrics={"final_loss": lr * 1000}, note=f"**Training** {lr}")
     newest, old = _parents(client, "phase2")
-    assert newest.data.params == {"phase.lr": "0.0002"} and newest.data.metrics == {"train.final_loss": 0.2}
-    assert old.data.params == {"phase.lr": "0.0001"} and old.data.metrics == {"train.final_loss": 0.1}
+    assert newest.data.params == {"phase.lr": "0.0002"}
+    assert newest.data.metrics == {"mix_phase.samples": 48.0, "train.final_loss": 0.2}
+    assert _visible(newest.data.tags[NOTE_TAG]) == "**Data** 48\n\n**Training** 0.0002"
+    assert old.data.params == {"phase.lr": "0.0001"}
+    assert old.data.metrics == {"mix_phase.samples": 48.0, "train.final_loss": 0.1}
     children_of_old = client.search_runs([old.info.experiment_id], f"tags.`mlflow.parentRunId` = '{old.info.run_id}'")
-    assert len(children_of_old) == 2
+    assert len(children_of_old) == 3
 
 
 def test_data_stages_log_headline_per_source_and_one_line_each(store):
