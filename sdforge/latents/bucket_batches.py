@@ -1,0 +1,78 @@
+"""Batches by aspect-ratio bucket: every batch holds samples of one shape (issue 18's loader order; no I/O).
+
+An epoch's plan is a list of *global* batches of ``world × batch_size`` sample positions, each from one
+bucket; rank ``r`` takes positions ``[r·batch_size, (r+1)·batch_size)`` of each, so at every step all ranks
+train on the same shape and their samples are disjoint. The plan is a pure function of (bucket of each
+sample, epoch, seed, world, batch size, tail mode): every rank computes the same one, and a run resumed
+at batch ``k`` starts at ``plan[k]`` without reading the batches before it.
+
+Per bucket, the samples are shuffled with a seed of (seed, epoch, bucket) and cut into global batches; the
+batches of all buckets are then shuffled together with a seed of (seed, epoch). A bucket's tail smaller
+than a global batch is either dropped (``tail="drop"``) or carried (``tail="carry"``): the samples left out
+of epoch ``e`` go first in their bucket in epoch ``e + 1`` (each sample still appears at most once per
+epoch, and none is left out two epochs in a row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TAIL_MODES = ("drop", "carry")
+
+
+@dataclass
+class EpochPlan:
+    """One epoch's global batches (arrays of sample positions), the bucket of each, and what was left out."""
+
+    batches: list[np.ndarray]
+    buckets: list[int]
+    left_out: dict[int, np.ndarray] = field(default_factory=dict)
+    """Bucket → its tail this epoch (carried to the next epoch, or dropped)."""
+
+    def rank_batch(self, index: int, rank: int, batch_size: int) -> np.ndarray:
+        """Rank ``rank``'s slice of global batch ``index``."""
+        return self.batches[index][rank * batch_size : (rank + 1) * batch_size]
+
+    def counts(self) -> dict[str, int]:
+        """Samples trained per bucket (``samples.bucket<i>``) and left out (``left_out.bucket<i>``)."""
+        out: dict[str, int] = {}
+        for bucket, batch in zip(self.buckets, self.batches, strict=True):
+            out[f"samples.bucket{bucket}"] = out.get(f"samples.bucket{bucket}", 0) + len(batch)
+        out.update({f"left_out.bucket{b}": len(tail) for b, tail in sorted(self.left_out.items())})
+        return out
+
+
+def plan_epoch(
+    sample_buckets: np.ndarray, epoch: int, seed: int, world: int, batch_size: int, tail: str = "drop"
+) -> EpochPlan:
+    """The global batches of ``epoch`` for samples whose bucket ids are ``sample_buckets`` (position i: sample i)."""
+    if tail not in TAIL_MODES:
+        raise ValueError(f"tail must be one of {TAIL_MODES}, got {tail!r}")
+    if world < 1 or batch_size < 1:
+        raise ValueError(f"world and batch_size must be >= 1, got {world}, {batch_size}")
+    sample_buckets = np.asarray(sample_buckets)
+    if sample_buckets.size and (sample_buckets.dtype.kind not in "iu" or sample_buckets.min() < 0):
+        raise ValueError(f"bucket ids must be integers >= 0, got dtype {sample_buckets.dtype}")
+    carried: dict[int, np.ndarray] = {}
+    if tail == "carry":  # the tails of every earlier epoch, in order (cheap: permutations only)
+        for earlier in range(epoch):
+            carried = _cut(sample_buckets, earlier, seed, world * batch_size, carried).left_out
+    return _cut(sample_buckets, epoch, seed, world * batch_size, carried)
+
+
+def _cut(sample_buckets: np.ndarray, epoch: int, seed: int, global_batch: int, carried: dict[int, np.ndarray]):
+    batches, buckets, left_out = [], [], {}
+    for bucket in np.unique(sample_buckets).tolist():
+        members = np.flatnonzero(sample_buckets == bucket)
+        order = np.random.default_rng([seed, epoch, bucket]).permutation(members)
+        first = carried.get(bucket)
+        if first is not None and first.size:
+            order = np.concatenate([first, order[~np.isin(order, first)]])
+        full = len(order) // global_batch * global_batch
+        batches += list(order[:full].reshape(-1, global_batch))
+        buckets += [bucket] * (full // global_batch)
+        left_out[bucket] = order[full:]
+    shuffle = np.random.default_rng([seed, epoch]).permutation(len(batches))
+    return EpochPlan([batches[i] for i in shuffle], [buckets[i] for i in shuffle], left_out)
