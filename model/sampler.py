@@ -85,9 +85,25 @@ def decode_to_uint8(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
 
 
 def latent_shape_for(
-    unet: UNet2DConditionModel, vae: AutoencoderKL, image_size: int | None = None
+    unet: UNet2DConditionModel,
+    vae: AutoencoderKL,
+    image_size: int | None = None,
+    *,
+    width: int | None = None,
+    height: int | None = None,
 ) -> tuple[int, int, int]:
-    """``(C, h, w)`` of the latents for ``image_size`` pixels (default: the UNet's sample size)."""
+    """``(C, h, w)`` of the latents for a ``width``×``height`` image; a side not given is ``image_size``, else
+    the UNet's sample size in pixels. Both sides must be multiples of :func:`pixel_multiple` (64 px for SD)."""
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    side = unet.config.sample_size if image_size is None else image_size // factor
-    return (unet.config.in_channels, side, side)
+    default = unet.config.sample_size * factor if image_size is None else image_size
+    w, h = width or default, height or default
+    multiple = pixel_multiple(unet, vae)
+    if w % multiple or h % multiple:
+        raise ValueError(f"image size {w}×{h}: width and height must be multiples of {multiple} px for this model")
+    return (unet.config.in_channels, h // factor, w // factor)
+
+
+def pixel_multiple(unet: UNet2DConditionModel, vae: AutoencoderKL) -> int:
+    """The pixel multiple an image side must be: the VAE's downsampling times the UNet's (64 for SD 1.x)."""
+    vae_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    return vae_factor * 2 ** (len(unet.config.down_block_types) - 1)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
+from model.sampler import latent_shape_for
 from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
@@ -36,6 +37,11 @@ def _generate(args: argparse.Namespace) -> int:
     steps = args.steps or default_steps
     guidance = args.guidance if args.guidance is not None else default_guidance
     pipe = load_pipeline(Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device)
+    try:
+        latent_shape_for(pipe.unet, pipe.vae, width=args.width, height=args.height)
+    except ValueError as err:
+        log.error("--width/--height: %s", err)
+        return 2
     prompts = [p for p in args.prompt for _ in range(args.num_images)]
     seeds = [args.seed + i for i in range(len(prompts))]
     images = generate(
@@ -46,6 +52,8 @@ def _generate(args: argparse.Namespace) -> int:
         guidance_scale=guidance,
         seeds=seeds,
         batch_size=args.batch_size,
+        width=args.width,
+        height=args.height,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
     gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
     gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--width", type=int, default=None, help="image width in px (default: the model's size)")
+    gen.add_argument("--height", type=int, default=None, help="image height in px (a multiple of 64 for SD)")
     gen.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
     gen.add_argument("--live", action="store_true", help="use live instead of EMA weights")
     gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")

@@ -96,11 +96,14 @@ def generate(
     guidance_scale: float,
     seeds: list[int],
     batch_size: int = 8,
+    width: int | None = None,
+    height: int | None = None,
 ) -> list[np.ndarray]:
-    """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``."""
+    """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``. ``width``
+    and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64)."""
     device = next(pipe.unet.parameters()).device
     scheduler = ddim_from_training(pipe.train_scheduler_config)
-    shape = latent_shape_for(pipe.unet, pipe.vae)
+    shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
     uncond = encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device)
     images: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):

@@ -153,3 +153,17 @@ def test_report_writes_the_page_for_the_phases_finished_so_far(project, capsys):
     page = out.read_text()
     phases = params.phase_names()
     assert "<td>0.4321</td>" in page and page.count("not run yet") == len(phases) - 1
+
+
+def test_generate_at_a_non_square_size_and_refuses_a_bad_one(project, capsys, caplog):
+    root, params, _ = project
+    paths = _cli(capsys, "generate", "--params", str(params), "--prompt", PROMPT, "--width", "24", "--height", "16",
+                 "--steps", "2", "--device", "cpu", "--out", str(root / "wide"))  # fmt: skip
+    assert Image.open(paths[0]).size == (24, 16)
+    ckpt = str(params).replace("params.yaml", "checkpoints/phase1")
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exit_:
+        main(["generate", "--checkpoint", ckpt, "--params", str(params), "--prompt", PROMPT, "--width", "18",
+              "--device", "cpu", "--out", str(root / "bad")])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "--width/--height: image size 18×16: width and height must be multiples of 4 px" in caplog.text
+    assert not (root / "bad").exists()

@@ -79,3 +79,28 @@ def test_register_creates_a_model_version_pointing_at_the_folder(exported, tmp_p
     assert version.tags["checkpoint_hash"] == metrics["checkpoint_hash"]
     names = {a.path for a in client.list_artifacts(got["run_id"], MODEL_ARTIFACT)}
     assert f"{MODEL_ARTIFACT}/model_index.json" in names and f"{MODEL_ARTIFACT}/unet" in names
+
+
+def test_a_non_square_image_from_our_sampler_equals_the_exported_pipelines(exported):
+    from diffusers import StableDiffusionPipeline
+
+    models, ckpt, out, _ = exported
+    width, height = 24, 16  # latents 12×8; the export's pipeline checks sides only against 8
+    ours = np.stack(
+        generate(load_pipeline(models, ckpt, device="cpu"), PROMPTS[:1], steps=3, guidance_scale=3.0, seeds=[5],
+                 width=width, height=height)
+    )  # fmt: skip
+    sd = StableDiffusionPipeline.from_pretrained(out)
+    sd.set_progress_bar_config(disable=True)
+    theirs = sd(PROMPTS[:1], negative_prompt=[""], num_inference_steps=3, guidance_scale=3.0, width=width,
+                height=height, generator=[torch.Generator().manual_seed(5)], output_type="np").images  # fmt: skip
+    theirs = (theirs * 255).round().astype(np.uint8)
+    assert ours.shape == theirs.shape == (1, height, width, 3)
+    assert ours.std() > 10 and np.abs(ours.astype(int) - theirs.astype(int)).max() == 0
+
+
+def test_a_side_that_is_not_a_multiple_of_the_models_is_refused(exported):
+    models, ckpt, _, _ = exported
+    pipe = load_pipeline(models, ckpt, device="cpu")
+    with pytest.raises(ValueError, match="multiples of 4 px"):
+        generate(pipe, PROMPTS[:1], steps=1, guidance_scale=1.0, seeds=[0], width=18, height=16)
