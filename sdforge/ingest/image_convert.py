@@ -28,6 +28,7 @@ import cv2
 import numpy as np
 
 from sdforge.config import FetchSettings
+from sdforge.ingest.buckets import CropPlan
 from sdforge.ingest.sources.images import ImageRejected, decode_rgb
 
 JPEG_MAX_SIDE = 65_500
@@ -82,6 +83,18 @@ def resize(img: np.ndarray, size: int, mode: str) -> np.ndarray:
             img, dh // 2, dh - dh // 2, dw // 2, dw - dw // 2, cv2.BORDER_CONSTANT, value=(0, 0, 0)
         )
     return img
+
+
+def resize_to_bucket(img: np.ndarray, plan: CropPlan) -> np.ndarray:
+    """``img`` resized (aspect kept) to ``plan.resized`` and cropped to ``plan.box``: an array of the bucket's
+    shape (:mod:`sdforge.ingest.buckets`). With a square bucket this is exactly :func:`resize`'s
+    ``center_crop`` (same scale, interpolation and offsets)."""
+    h, w = img.shape[:2]
+    if (w, h) != plan.resized:
+        interpolation = cv2.INTER_AREA if plan.resized[0] < w else cv2.INTER_LANCZOS4
+        img = cv2.resize(img, plan.resized, interpolation=interpolation)
+    left, top, right, bottom = plan.box
+    return img[top:bottom, left:right]
 
 
 def _rejecting(step: str, fn: Callable[..., T], *args, **kwargs) -> T:

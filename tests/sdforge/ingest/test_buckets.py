@@ -3,9 +3,11 @@ much of a non-square image a bucket keeps compared with a square center crop."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from sdforge.ingest.buckets import CropPlan, cover_and_crop, generate_buckets, kept_fraction, nearest_bucket, plan
+from sdforge.ingest.image_convert import resize, resize_to_bucket
 
 SD512 = generate_buckets(512 * 512)
 
@@ -76,3 +78,31 @@ def test_kept_fraction_figures():
     assert kept_fraction(1600, 900, (640, 384)) == pytest.approx(640 / 683)  # 94 % vs 56 % square
     assert kept_fraction(1600, 900, (512, 512)) == pytest.approx(0.5625, abs=1e-3)
     assert cover_and_crop(1000, 1000, (512, 512)).resized == (512, 512)
+
+
+def _x_ramp(width: int, height: int) -> np.ndarray:
+    """An RGB image whose red channel encodes the column (0 at the left edge, 255 at the right)."""
+    ramp = np.linspace(0, 255, width).round().astype(np.uint8)
+    img = np.zeros((height, width, 3), np.uint8)
+    img[..., 0] = ramp[None, :]
+    img[..., 1] = 128
+    return img
+
+
+def test_resize_to_a_square_bucket_is_exactly_todays_center_crop():
+    img = _x_ramp(1600, 900)
+    square = resize_to_bucket(img, cover_and_crop(1600, 900, (512, 512)))
+    assert np.array_equal(square, resize(img, 512, "center_crop"))
+
+
+@pytest.mark.parametrize("size", [(1600, 900), (640, 480), (2000, 500), (100, 50)])
+def test_resize_to_bucket_gives_the_buckets_shape_and_keeps_the_predicted_columns(size):
+    w, h = size
+    p = plan(w, h, SD512)
+    out = resize_to_bucket(_x_ramp(w, h), p)
+    assert out.shape == (p.bucket[1], p.bucket[0], 3)
+    # the first and last kept columns are the original's columns at the crop box's edges
+    scale = p.resized[0] / w
+    for col, x in ((0, p.box[0]), (-1, p.box[2] - 1)):
+        want = 255 * min(w - 1, (x + 0.5) / scale - 0.5) / (w - 1)
+        assert abs(int(out[h // 4 if h > 4 else 0, col, 0]) - want) <= 255 * 2 / scale / (w - 1) + 3
