@@ -63,6 +63,16 @@ def metrics_path(params: Params, stage: str, item: str | None = None) -> Path:
     return base / stage / f"{item}.json" if item else base / f"{stage}.json"
 
 
+LOSS_CURVE = "train_loss"
+"""``paths.metrics/train_loss/<phase>.csv``: a phase's ``step,loss,lr`` curve, written by ``train`` (a DVC plot)
+and read by ``report``."""
+
+
+def loss_curve_path(metrics_dir: str | Path, phase: str) -> Path:
+    """Where phase ``phase``'s loss curve is (:data:`LOSS_CURVE`)."""
+    return Path(metrics_dir) / LOSS_CURVE / f"{phase}.csv"
+
+
 def stage_cli(
     stage: str,
     run: Callable[[Params, str | None], dict[str, Any]],

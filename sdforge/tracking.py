@@ -100,18 +100,25 @@ def run_url(cfg: Tracking, experiment_id: str, run_id: str) -> str:
     return ui_base(cfg) + ui_route(experiment_id, run_id)
 
 
-def _parent_run_id(
-    client: Any, experiment_id: str, parent: str, parent_params: dict[str, str], stage: str = ""
-) -> str:
-    """The newest parent run named ``parent`` whose params agree with ``parent_params`` (which it then
-    carries), or a new one when there is none or they differ. A new one replacing a changed run starts with
-    the summary of the stages before ``stage`` in the DAG (they did not rerun: ``stage`` and later will)."""
+def newest_parent(client: Any, experiment_id: str, parent: str) -> Any | None:
+    """The newest (not deleted) parent run named ``parent`` (a phase, ``data``, ``models``, ``report``), or None."""
     runs = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status != 'DELETED'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
+    return runs[0] if runs else None
+
+
+def _parent_run_id(
+    client: Any, experiment_id: str, parent: str, parent_params: dict[str, str], stage: str = ""
+) -> str:
+    """The newest parent run named ``parent`` whose params agree with ``parent_params`` (which it then
+    carries), or a new one when there is none or they differ. A new one replacing a changed run starts with
+    the summary of the stages before ``stage`` in the DAG (they did not rerun: ``stage`` and later will)."""
+    newest = newest_parent(client, experiment_id, parent)
+    runs = [newest] if newest else []
     logged = runs[0].data.params if runs else {}
     changed = sorted(k for k, v in parent_params.items() if k in logged and logged[k] != v)
     if runs and not changed:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from sdforge.config import ConfigError, Params, Train, load_params
-from sdforge.io import InputError, metrics_path, setup_logging, stage_cli
+from sdforge.io import InputError, loss_curve_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
 from sdforge.training.launch import launch, needs_launch, torchrun_command
 from sdforge.training.phase_run import NOT_TRAINING, export_phase, fingerprint, prepare_run_dir, tail_mean
 from sdforge.training.resume import restore_newest
-from sdforge.training.step_log import LOSS_CURVE, StepLogger, write_loss_curve
+from sdforge.training.step_log import StepLogger, write_loss_curve
 from sdforge.training.trainer import Trainer, train_loop
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         ),
     }
     if dist.is_main:
-        curve = metrics_path(params, LOSS_CURVE, phase_name).with_suffix(".csv")
+        curve = loss_curve_path(paths.metrics, phase_name)
         metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)
         export_phase(tr, Path(paths.checkpoints) / phase_name, final_loss)
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)

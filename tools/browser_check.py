@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sdforge.config import Params, load_params
-from sdforge.tracking import PARENT_TAG, tracking_uri, ui_route
+from sdforge.tracking import PARENT_TAG, newest_parent, tracking_uri, ui_route
 from tools.tiny_demo import free_port
 
 log = logging.getLogger("sdforge.browser_check")
@@ -89,14 +89,6 @@ def mlflow_server(uri: str, cwd: Path, port: int, timeout_s: float = 90) -> Iter
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def newest_parent(client, experiment_id: str, name: str):
-    """The newest parent run ``name`` (phase, ``report``) of the experiment, or None."""
-    runs = client.search_runs(
-        [experiment_id], f"tags.`{PARENT_TAG}` = '{name}'", order_by=["attributes.start_time DESC"], max_results=1
-    )
-    return runs[0] if runs else None
 
 
 def _text(page, url: str, wait_for: list[str]) -> str:

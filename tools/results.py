@@ -16,18 +16,8 @@ import sys
 from pathlib import Path
 
 from sdforge.config import load_params
-from sdforge.tracking import PARENT_TAG, experiment_url, run_url, tracking_uri, ui_base
+from sdforge.tracking import experiment_url, newest_parent, run_url, tracking_uri, ui_base
 from stages.report import REPORT
-
-
-def _newest_parent(client, experiment_id: str, parent: str):
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.`{PARENT_TAG}` = '{parent}' and attributes.status != 'DELETED'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return runs[0] if runs else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment = client.get_experiment_by_name(cfg.experiment)
     runs = {}
     if experiment is not None:
-        runs = {name: _newest_parent(client, experiment.experiment_id, name) for name in (phase, "report")}
+        runs = {name: newest_parent(client, experiment.experiment_id, name) for name in (phase, "report")}
     print(f"MLflow tracking URI: {uri}")
     if uri.startswith("sqlite:"):
         print(f"Open the UI: make mlflow-ui, then {ui_base(cfg)}")

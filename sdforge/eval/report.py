@@ -25,6 +25,8 @@ matplotlib.use("Agg")  # no display on pods and CI; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from PIL import Image, ImageDraw  # noqa: E402
 
+from sdforge.io import loss_curve_path  # noqa: E402
+
 log = logging.getLogger(__name__)
 
 LABEL_W = 90
@@ -79,7 +81,7 @@ def read_phase(name: str, config: dict, metrics_dir: Path, eval_dir: Path, categ
         path = metrics_dir / source / f"{name}.json"
         if path.is_file():
             result.metrics[source] = json.loads(path.read_text())
-    result.curve = read_curve(metrics_dir / "train_loss" / f"{name}.csv")
+    result.curve = read_curve(loss_curve_path(metrics_dir, name))
     for category in categories:
         strip = eval_dir / name / "strips" / f"{category}.png"
         if strip.is_file():

@@ -27,9 +27,6 @@ STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "sample
 """Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
 PARENT_STEP_METRICS = ("loss", "lr")
 """Also logged on the phase's parent run (as ``train.loss``, ``train.lr``), so its page charts the curve."""
-LOSS_CURVE = "train_loss"
-"""``${paths.metrics}/train_loss/<phase>.csv``: the phase's ``step,loss,lr`` curve (a DVC plot of ``train``,
-read by the ``report`` stage)."""
 HEADLINE = ("final_loss", "mean_loss", "steps", "samples", "seconds", "samples_per_s")
 """The run's figures copied onto the phase's parent run."""
 
