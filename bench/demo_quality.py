@@ -3,7 +3,7 @@
 ``python -m bench.demo_quality [--seeds N] [--quick] [--params params.yaml] [--out .bench/demo_quality]
 [--phases K] [--set KEY=VALUE ...]``
 
-Trains the demo's phases (phase 1 … phase 7, each from the previous one's EMA weights) on the already
+Trains the demo's phases (phase 0 … phase 7, each from the previous one's EMA weights) on the already
 encoded demo latents (``${paths.latents}``, ``${paths.models}`` and ``${paths.checkpoints}/scratch``: run
 ``make demo`` or ``dvc repro encode_latents`` first) for train seeds 0 … N-1, in this process, with the
 stages' own ``run`` functions (``mix_phase``, ``train``, ``eval_grid``) on a copy of ``params.yaml`` whose
@@ -14,7 +14,7 @@ combinations, and the probe's own score on ground-truth renders of the same prom
 
 The baseline is the acceptance bar of issue 16, not another implementation: the last line is
 ``RESULT name=demo_quality ratio=<min over seeds of the last phase's colour agreement (seen and held-out,
-whichever is lower) ÷ 0.75> ...``. ``--quick`` trains seed 0's phase 1 for one epoch only and evaluates it:
+whichever is lower) ÷ 0.75> ...``. ``--quick`` trains seed 0's first phase for one epoch only and evaluates it:
 a check that the harness runs, not a quality figure. ``--phases K`` trains the first K phases only;
 ``--set phases.phase1.lr=1e-3`` (repeatable, YAML values) measures a change without editing ``params.yaml``.
 """
@@ -112,7 +112,8 @@ def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, o
     phases = list(params.phases)
     result: dict = {"seed": seed, "train_s": 0.0}
     for name in phases:
-        mix_phase.run(name, params.phases[name], Path(paths.latents), Path(paths.mixes) / f"{name}.parquet", seed)
+        index = Path(paths.mixes) / f"{name}.parquet"
+        mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
         start = time.perf_counter()
         metrics = train.run(params, name)
         result["train_s"] += time.perf_counter() - start
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: train every seed, print the table and the RESULT line."""
     parser = argparse.ArgumentParser(prog="python -m bench.demo_quality")
     parser.add_argument("--seeds", type=int, default=3, help="train seeds 0 … N-1 (default 3)")
-    parser.add_argument("--quick", action="store_true", help="seed 0, phase 1 for one epoch: a harness check")
+    parser.add_argument("--quick", action="store_true", help="seed 0, the first phase for one epoch: a harness check")
     parser.add_argument("--params", type=Path, default=REPO / "params.yaml")
     parser.add_argument("--out", type=Path, default=REPO / ".bench" / "demo_quality")
     parser.add_argument("--phases", type=int, default=0, help="train the first K phases only (0: all)")

@@ -193,7 +193,12 @@ class DemoData(Section):
     seed: int = 0
     image_size: int = Field(48, ge=16)
     half_size: tuple[Annotated[float, Field(gt=0, le=0.45)], Annotated[float, Field(gt=0, le=0.45)]] = (0.22, 0.32)
-    """Range of a shape's half-width, as a fraction of ``image_size`` (its position jitters within what is left)."""
+    """Range of a shape's half-width, as a fraction of the canvas's shorter side (``image_size`` for a square
+    one); its centre jitters anywhere the shape fits on the canvas."""
+    canvases: list[tuple[Annotated[int, Field(ge=16)], Annotated[int, Field(ge=16)]]] = []
+    """(width, height) canvases the corpus images are drawn on, in turn: the ``i``-th image a source draws
+    (LAION rows in drawing order: served, missing, the bad kinds; archive images in order) is on
+    ``canvases[i % len(canvases)]``. Empty: one square ``image_size`` canvas (every image square)."""
     laion_rows: int = Field(0, ge=0)
     archive_images: int = Field(0, ge=0)
     http_port: int = Field(8765, ge=1024, le=65535)
@@ -232,9 +237,25 @@ class DemoData(Section):
                 raise ValueError(f"held_out hides every combination with {lost}: the model could never learn the word")
         return self
 
+    @model_validator(mode="after")
+    def _shapes_fit_every_canvas(self) -> DemoData:
+        for width, height in self.canvas_sizes if self.enabled else []:
+            half = int(min(width, height) * self.half_size[1])
+            if min(width, height) - 2 * half - 4 < 1:
+                raise ValueError(
+                    f"canvas {width}x{height} (demo.canvases, else demo.image_size) is too small for half_size "
+                    f"{self.half_size[1]}: a {2 * half}-px shape and 2-px margins leave its centre no room"
+                )
+        return self
+
     def is_held_out(self, colour: str, shape: str, background: str) -> bool:
         """Whether the corpus never shows this combination."""
         return (colour, shape, background) in set(self.held_out)
+
+    @property
+    def canvas_sizes(self) -> list[tuple[int, int]]:
+        """``canvases``, or ``[(image_size, image_size)]`` when empty."""
+        return [tuple(c) for c in self.canvases] or [(self.image_size, self.image_size)]
 
 
 class Columns(Section):
@@ -491,15 +512,44 @@ class Models(Section):
     seed: int = 0
 
 
+class BucketSet(Section):
+    """One training resolution's aspect-ratio buckets (:mod:`sdforge.ingest.buckets`): ``sizes`` listed, or
+    generated from ``max_area`` (the target's area, e.g. 512² = 262144), ``step`` and the aspect range."""
+
+    sizes: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]]] | None = None
+    """(width, height) pairs in pixels, e.g. ``[[512, 512]]`` for square-only."""
+    max_area: int | None = Field(None, ge=1)
+    step: int = Field(64, ge=1)
+    """Sides are multiples of this (64 px = 8 latent pixels with SD's VAE; must suit the UNet's downsampling)."""
+    min_aspect: float = Field(0.5, gt=0, le=1)
+    max_aspect: float = Field(2.0, ge=1)
+
+    @model_validator(mode="after")
+    def _listed_or_generated(self) -> BucketSet:
+        if (self.sizes is None) == (self.max_area is None):
+            raise ValueError("give either sizes (a list of [width, height]) or max_area, not both or neither")
+        if self.sizes is not None:
+            if not self.sizes:
+                raise ValueError("sizes is empty")
+            odd = [s for s in self.sizes if s[0] % self.step or s[1] % self.step]
+            if odd:
+                raise ValueError(f"sizes {odd} are not multiples of step {self.step}")
+        elif self.max_area < self.step * self.step:
+            raise ValueError(f"max_area {self.max_area} holds no {self.step}×{self.step} bucket")
+        return self
+
+
 class Encode(Section):
-    """VAE latent encoding of fetched shards: one latent shard per input tar."""
+    """VAE latent encoding of fetched shards: per bucket set (resolution), latent shards per input tar and bucket."""
 
     batch_size: int = Field(16, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     resolution: int = Field(512, ge=8)
-    """Pixel size the VAE encodes (the UNet's sample_size × the VAE's downsampling factor)."""
+    """Side of the square-only bucket set used when ``params.buckets`` is empty (older configs)."""
+    resolutions: list[SafeName] = []
+    """Bucket sets (names under ``buckets``) every source is encoded at; empty: all of them."""
     wrong_size: Literal["resize", "skip"] = "resize"
-    """An image that is not ``resolution``² is resized (shorter side) and centre-cropped, or skipped."""
+    """An image whose size is not its bucket's is resized to cover the bucket and centre-cropped, or skipped."""
     decode_workers: int = Field(4, ge=1)
     """Threads decoding and resizing JPEGs (OpenCV releases the GIL)."""
     prefetch_shards: int = Field(2, ge=0)
@@ -516,6 +566,9 @@ class Train(Section):
     """Optimisation settings shared by every phase."""
 
     seed: int = 0
+    bucket_tail: Literal["drop", "carry"] = "drop"
+    """With several aspect buckets: a bucket's samples left over after its last full global batch are
+    dropped for the epoch, or carried to the front of that bucket in the next epoch."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
@@ -599,6 +652,8 @@ class Phase(Section):
     min_snr_gamma: float | None = Field(5.0, gt=0)
     batch_size: int = Field(24, ge=1)
     grad_accum: int = Field(1, ge=1)
+    resolution: SafeName | None = None
+    """The bucket set (a name under ``buckets``) the phase trains on; None: the only one defined."""
 
     @property
     def mix_is_counts(self) -> bool:
@@ -677,6 +732,21 @@ class Eval(Section):
     """Local folder of a transformers ``CLIPModel`` + processor (e.g. openai/clip-vit-large-patch14
     saved with ``save_pretrained``); null: CLIP score skipped."""
     fid: Fid = Fid()
+    extra_sizes: list[tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]] = []
+    """(width, height) of extra, usually non-square, cells: the first ``extra_prompts`` prompts of the first
+    category sampled at each size (same seeds and settings as their square cells), shown as rows below the
+    square cells and probed apart. Each side must be a multiple of the model's pixel multiple (checked
+    against the loaded model before any sampling; SD 1.x: 64)."""
+    extra_prompts: int = Field(4, ge=1)
+    """How many of the first category's prompts each ``extra_sizes`` entry samples (all of them if fewer)."""
+
+    @field_validator("extra_sizes")
+    @classmethod
+    def _extra_sizes_distinct(cls, sizes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        repeated = sorted({f"{w}x{h}" for w, h in sizes if sizes.count((w, h)) > 1})
+        if repeated:
+            raise ValueError(f"sizes listed twice: {repeated}")
+        return sizes
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -731,10 +801,43 @@ class Params(Section):
     demo: DemoData
     sources: dict[SafeName, Source]
     models: Models
+    buckets: dict[SafeName, BucketSet] = {}
+    """Resolution name → its aspect-ratio buckets; empty: one square set ``square`` of ``encode.resolution``."""
     encode: Encode = Encode()
     train: Train = Train()
     phases: dict[PhaseName, Phase]
     eval: Eval
+
+    def bucket_sets(self) -> dict[str, BucketSet]:
+        """``buckets``, or ``{"square": [encode.resolution]²}`` when none are defined."""
+        if self.buckets:
+            return dict(self.buckets)
+        r = self.encode.resolution
+        return {"square": BucketSet(sizes=[(r, r)], step=r)}
+
+    def encoded_resolutions(self) -> list[str]:
+        """The bucket sets every source is encoded at (``encode.resolutions``, default all)."""
+        return list(self.encode.resolutions) or list(self.bucket_sets())
+
+    def phase_resolution(self, phase: str) -> str:
+        """The bucket set phase ``phase`` trains on."""
+        return self.phases[phase].resolution or next(iter(self.bucket_sets()))
+
+    @model_validator(mode="after")
+    def _resolutions_defined(self) -> Params:
+        sets = self.bucket_sets()
+        unknown = sorted(set(self.encode.resolutions) - set(sets))
+        if unknown:
+            raise ValueError(f"encode.resolutions: {unknown} not defined under 'buckets' ({sorted(sets)})")
+        for name, phase in self.phases.items():
+            if phase.resolution is None and len(sets) > 1:
+                raise ValueError(f"phases.{name}.resolution: required when several bucket sets exist ({sorted(sets)})")
+            if phase.resolution is not None and phase.resolution not in self.encoded_resolutions():
+                raise ValueError(
+                    f"phases.{name}.resolution: '{phase.resolution}' is not encoded; encoded bucket sets: "
+                    f"{self.encoded_resolutions()} (see 'buckets' and encode.resolutions)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _cross_references(self) -> Params:

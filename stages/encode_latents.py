@@ -1,22 +1,27 @@
 """Stage ``encode_latents@<source>``: WebDataset shards → VAE latents + token ids in latent shards.
 
-Output ``${paths.latents}/<source>/`` (format in :mod:`sdforge.latents.store`), one latent shard per
-input tar ``NNNNN.tar``:
+One folder per bucket set the source is encoded at (``encode.resolutions``, names under ``buckets``):
+``${paths.latents}/<source>/<resolution>/``. Every image goes to its nearest bucket (aspect ratio),
+resized to cover it and centre-cropped (:mod:`sdforge.ingest.buckets`); per input tar ``NNNNN.tar``:
 
-- ``shard-NNNNN.safetensors``: ``latents`` fp16 ``[N, C, h, w]`` (posterior mean × scaling factor),
-  ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size, sha256), the
-  encoder fingerprint (VAE + tokenizer files, resolution, skip policy, precision), the sample count
-  and the bad-sample counts;
-- ``shard-NNNNN.parquet``: that shard's manifest rows with the same metadata, written after it;
-- ``manifest.parquet``: every part concatenated, written last. Columns: ``key, caption, source,
-  shard, row, width, height`` (as found in the tar), ``original_width, original_height`` (from the
-  sample's JSON), ``resized, truncated``.
+- ``shard-NNNNN-WxH.safetensors`` per bucket W×H used: ``latents`` fp16 ``[N, C, H/f, W/f]`` (posterior
+  mean × scaling factor), ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size,
+  sha256), the encoder fingerprint (VAE + tokenizer files, skip policy, precision), the sample count and
+  the bad-sample counts;
+- ``shard-NNNNN.parquet``: that tar's manifest rows with the same metadata, written after them;
+- ``manifest.parquet``: every part concatenated, written last. Columns: ``key, caption, source, shard,
+  bucket_width, bucket_height, row`` (in the bucket's file), ``width, height`` (as found in the tar),
+  ``original_width, original_height`` (from the sample's JSON), ``resized_width, resized_height`` and
+  ``crop_left/top/right/bottom`` (the crop box in the resized image: SDXL crop conditioning),
+  ``resized, truncated``.
 
-Kill-safe: each file is written to a temp name and renamed. A rerun keeps a shard when both files
-exist and agree (:func:`sdforge.latents.store.check_shard`) and their metadata names the same input
-(name, size and sha256 — ETag for s3:// inputs) and the same encoder; it re-encodes every other
-shard. The outputs are a function of the inputs' bytes only (no mtimes, no timings), so DVC sees
-the same hashes run to run. The pipeline itself is :mod:`sdforge.latents.pipeline`.
+Kill-safe: each file is written to a temp name and renamed. A rerun keeps a shard when its files exist
+and agree (:func:`sdforge.latents.store.check_shard`), their metadata names the same input (name, size
+and sha256 — ETag for s3:// inputs) and the same encoder, and the bucket set still gives each sample
+the bucket and crop it has; it re-encodes every other shard (so a bucket-set change re-encodes only the
+tars it moves a sample of, and only in that resolution's folder). The outputs are a function of the
+inputs' bytes only (no mtimes, no timings), so DVC sees the same hashes run to run. The pipeline itself
+is :mod:`sdforge.latents.pipeline`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from model.precision import uses_bf16_autocast
 from sdforge.config import Encode, Params
+from sdforge.ingest.buckets import Size, shapes_of
 from sdforge.io import InputError, atomic_write_bytes, stage_cli
 from sdforge.latents import s3_inputs
 from sdforge.latents import store as store
@@ -59,25 +65,30 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def run(cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path) -> dict:
-    """Encode every input tar of ``shard_dir`` not already encoded under ``out_dir``; return metrics."""
+def run(
+    cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path, buckets: list[Size] | None = None
+) -> dict:
+    """Encode every input tar of ``shard_dir`` not already encoded under ``out_dir`` at ``buckets`` (default:
+    square ``cfg.resolution``); return metrics."""
     t0 = time.perf_counter()
+    buckets = buckets or [(cfg.resolution, cfg.resolution)]
     models_dir, out_dir = Path(models_dir), Path(out_dir)
     device = resolve_device(cfg.device)
     precision = "bf16" if uses_bf16_autocast(torch.device(device), cfg.mixed_precision) else "fp32"
     tars = list_inputs(shard_dir)
-    encoder = encoder_fingerprint(models_dir, cfg, precision)
+    encoder = encoder_fingerprint(models_dir, cfg, precision, buckets)
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_stale(out_dir, {t.shard for t in tars})
     with ThreadPoolExecutor(4) as pool:  # hashing the inputs of finished shards: disk-bound, GIL released
-        checked = pool.map(lambda t: reusable(t, out_dir, encoder), tars)
+        checked = pool.map(lambda t: reusable(t, out_dir, encoder, buckets), tars)
         parts = {t.shard: done for t, done in zip(tars, checked, strict=True) if done is not None}
     todo = [t for t in tars if t.shard not in parts]
     log.info("%s: %d input tars, %d already encoded, %d to encode", shard_dir, len(tars), len(parts), len(todo))
     stats: Counter = Counter()
     if todo:
         (out_dir / store.MANIFEST).unlink(missing_ok=True)
-        parts.update(encode_and_write(cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats))
+        written = encode_and_write(cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats, buckets)
+        parts.update(written)
     tables = [parts[t.shard][0] for t in tars]
     manifest = pa.concat_tables(tables) if tables else MANIFEST_SCHEMA.empty_table()
     if manifest.num_rows == 0:
@@ -88,10 +99,13 @@ def run(cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_d
     totals = Counter()
     for t in tars:
         totals.update(json.loads(parts[t.shard][1]["counts"]))
+    per_bucket = store.part_buckets(manifest)
     first = next(t for t in tars if int(parts[t.shard][1]["samples"]))
-    header, _ = store.read_header(out_dir / store.shard_name(first.shard))
+    first_bucket = next(iter(store.part_buckets(parts[first.shard][0])))
+    header, _ = store.read_header(out_dir / store.shard_name(first.shard, first_bucket))
     return {
         "samples": manifest.num_rows,
+        "buckets": {f"{w}x{h}": n for (w, h), n in per_bucket.items()},
         "shards": len(tars),
         "shards_encoded": len(todo),
         "shards_reused": len(tars) - len(todo),
@@ -111,14 +125,34 @@ def _shard_dir(shards: str, source: str) -> str | Path:
     return f"{shards.rstrip('/')}/{source}" if s3_inputs.is_s3(shards) else Path(shards) / source
 
 
-def run_stage(params: Params, source: str) -> dict:
-    """Resolve source ``source``'s paths from ``params``, run, log to MLflow."""
-    paths = params.paths
-    metrics = run(
-        params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), Path(paths.latents) / source
-    )
+def run_resolutions(params: Params, source: str) -> dict:
+    """:func:`run` at each of ``params``' encoded bucket sets, into ``paths.latents/<source>/<resolution>``.
 
-    note = f"- encode `{source}`: {metrics['samples']} latents {metrics['latent_shape']} ({metrics['precision']})"
+    Metrics: the first set's, plus ``<resolution>.samples`` / ``.shards_encoded`` / ``.buckets`` for each
+    and the shards encoded and reused summed over the sets."""
+    paths, sets = params.paths, params.bucket_sets()
+    metrics: dict = {}
+    for name in params.encoded_resolutions():
+        out = store.resolution_dir(Path(paths.latents), source, name)
+        shapes = shapes_of(sets[name])
+        got = run(params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), out, shapes)
+        for key in ("samples", "shards_encoded", "buckets"):
+            metrics[f"{name}.{key}"] = got[key]
+        if "samples" not in metrics:
+            metrics.update(got, resolution=name)
+        else:
+            metrics["shards_encoded"] += got["shards_encoded"]
+            metrics["shards_reused"] += got["shards_reused"]
+            metrics["seconds"] = round(metrics["seconds"] + got["seconds"], 2)
+    return metrics
+
+
+def run_stage(params: Params, source: str) -> dict:
+    """Resolve source ``source``'s paths from ``params``, run at every encoded resolution, log to MLflow."""
+    metrics = run_resolutions(params, source)
+
+    sets = ", ".join(f"{r} {metrics[f'{r}.buckets']}" for r in params.encoded_resolutions())
+    note = f"- encode `{source}`: {metrics['samples']} latents per resolution ({metrics['precision']}); buckets: {sets}"
     headline = ("samples", "images_per_second")
     log_stage(
         params.tracking,

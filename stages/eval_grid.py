@@ -2,10 +2,12 @@
 
 Output ``${paths.eval}/<phase>/``: ``grid.png`` (every prompt, captioned), ``strips/<category>.png`` (one
 row per category: flip through ``eval/*/strips/portrait.png`` to follow a category across phases),
-``images/NN.png`` (one per prompt, categories in file order), ``probe.json`` (demo prompts: does each
-image show the prompt's colour and shape?). Fixed seeds (``eval.seed + i`` for prompt ``i`` of its
-category) and per-category steps/guidance make the images comparable across phases. CLIP score and
-FID come from :mod:`sdforge.eval.metrics` when their local weights are given (see ``docs/EVAL.md``).
+``images/NN.png`` (one per prompt, categories in file order), ``images/NN_<w>x<h>.png`` (prompt ``NN`` of
+the first category at each ``eval.extra_sizes``: rows below the square cells in ``grid.png``),
+``probe.json`` (demo prompts: does each image show the prompt's colour and shape?). Fixed seeds
+(``eval.seed + i`` for prompt ``i`` of its category) and per-category steps/guidance make the images
+comparable across phases. CLIP score and FID (square cells only) come from :mod:`sdforge.eval.metrics`
+when their local weights are given (see ``docs/EVAL.md``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,17 @@ from pathlib import Path
 from PIL import Image
 
 from sdforge.config import DemoData, Eval, Params
-from sdforge.eval.grid import captioned_grid, probe_agreement, probe_truth, sample_categories
+from sdforge.eval.grid import (
+    captioned_grid,
+    check_extra_sizes,
+    extra_prompts,
+    probe_agreement,
+    probe_extra_sizes,
+    probe_truth,
+    sample_categories,
+    sample_extra_sizes,
+    size_name,
+)
 from sdforge.eval.metrics import image_metrics
 from sdforge.eval.sampling import load_pipeline
 from sdforge.io import stage_cli
@@ -35,27 +47,30 @@ and FID where their weights are given)."""
 
 
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
-    """Sample ``cfg.prompts`` with EMA weights, write the grid, strips and images; return metrics."""
+    """Sample ``cfg.prompts`` (and the extra sizes) with EMA weights, write the grid, strips and images; return
+    metrics. A bad ``eval.extra_sizes`` entry is an :class:`~sdforge.io.InputError` before any sampling."""
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
+    check_extra_sizes(pipe, cfg)
     samples = sample_categories(pipe, cfg)
     categories, prompts, images = (list(x) for x in zip(*samples, strict=True))
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    for i, img in enumerate(images):
-        Image.fromarray(img).save(out_dir / "images" / f"{i:02d}.png")
-    captioned_grid(images, prompts, cfg.columns).save(out_dir / "grid.png")
+    extra = sample_extra_sizes(pipe, cfg)
+    write_images(cfg, out_dir, images, prompts, extra)
     (out_dir / STRIPS).mkdir(exist_ok=True)
     for category, texts in cfg.prompts.items():
         row = [img for c, img in zip(categories, images, strict=True) if c == category]
         captioned_grid(row, texts, len(texts)).save(out_dir / STRIPS / f"{category}.png")
     agreement = probe_agreement(images, prompts, demo)
     agreement.update(probe_truth(prompts, demo, int(images[0].shape[0])))
-    if agreement["probe_truth_images"] and min(agreement["probe_truth_colour"], agreement["probe_truth_shape"]) < 1:
+    agreement.update(probe_extra_sizes(extra, extra_prompts(cfg)[1], demo))
+    truth = [v for k, v in agreement.items() if k.startswith("probe_truth_") and isinstance(v, float)]
+    if truth and min(truth) < 1:
         log.warning("the probe misreads the demo's own renders (%s): its agreement is not trustworthy", agreement)
     (out_dir / "probe.json").write_text(json.dumps(agreement, indent=2) + "\n")
-    metrics = {k: v for k, v in agreement.items() if k != "per_prompt"}
+    metrics = {k: v for k, v in agreement.items() if k not in ("per_prompt", "extra_per_prompt")}
     metrics.update(
         {
             "images": len(images),
+            "extra_images": sum(len(imgs) for imgs in extra.values()),
             "categories": len(cfg.prompts),
             "image_size": int(images[0].shape[0]),
             "checkpoint_hash": pipe.checkpoint_hash,
@@ -74,6 +89,20 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
         )
     )
     return metrics
+
+
+def write_images(cfg: Eval, out_dir: Path, images: list, prompts: list[str], extra: dict) -> None:
+    """``images/NN.png``, ``images/NN_<w>x<h>.png`` (``extra``: size → images) and ``grid.png``: the square
+    cells, then a row (or more, ``eval.columns`` wide) per extra size, each caption led by its size."""
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    for i, img in enumerate(images):
+        Image.fromarray(img).save(out_dir / "images" / f"{i:02d}.png")
+    rows = []
+    for size, imgs in extra.items():
+        for i, img in enumerate(imgs):
+            Image.fromarray(img).save(out_dir / "images" / f"{i:02d}_{size_name(size)}.png")
+        rows.append((imgs, [f"{size_name(size)} {p}" for p in extra_prompts(cfg)[1][: len(imgs)]]))
+    captioned_grid(images, prompts, cfg.columns, rows).save(out_dir / "grid.png")
 
 
 def run_stage(params: Params, phase: str) -> dict:

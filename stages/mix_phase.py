@@ -1,9 +1,10 @@
 """Stage ``mix_phase@<phase>``: a phase's (source, fraction or count) mix → a seeded training index.
 
-Output ``${paths.mixes}/<phase>.parquet`` with columns ``source, shard, row, key`` pointing into
-the latent store — no copies, no symlinks. The same seed gives the same index on any machine (its
-SHA-256, :func:`index_digest`, is logged to MLflow; a test pins one). A source too small for its
-share is an error unless the phase says ``with_replacement: true``.
+Output ``${paths.mixes}/<phase>.parquet`` with columns ``source, shard, bucket_width, bucket_height, row,
+key`` pointing into the latent store at the phase's resolution (``phases.<p>.resolution``: the folder
+``${paths.latents}/<source>/<resolution>/``) — no copies, no symlinks. The same seed gives the same
+index on any machine (its SHA-256, :func:`index_digest`, is logged to MLflow; a test pins one). A source
+too small for its share is an error unless the phase says ``with_replacement: true``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import polars as pl
 from sdforge.config import Params, Phase
 from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
 from sdforge.latents.mix import split_counts
-from sdforge.latents.store import MANIFEST
+from sdforge.latents.store import MANIFEST, resolution_dir
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
+
+BUCKET_COLUMNS = ("bucket_width", "bucket_height")
 
 
 def requested_counts(phase_name: str, phase: Phase) -> dict[str, int]:
@@ -49,11 +52,12 @@ def build_index(phase_name: str, phase: Phase, manifests: dict[str, pl.DataFrame
     Sources are drawn in name order from one ``numpy.random.default_rng`` (PCG64: the same stream on
     every platform), ``count`` picks from each manifest's (shard, row)-sorted rows, without or with
     replacement as the phase says; the concatenation is then shuffled once so sources interleave.
+    Rows are sorted by (shard, bucket, row): with one square bucket, the order before buckets existed.
     """
     rng = np.random.default_rng(phase_seed(seed, phase_name))
     parts = []
     for source, count in sorted(requested_counts(phase_name, phase).items()):
-        manifest = manifests[source].sort(["shard", "row"])
+        manifest = manifests[source].sort(["shard", *BUCKET_COLUMNS, "row"])
         available = manifest.height
         if available == 0:
             raise InputError(f"phases.{phase_name}: source '{source}' has no samples in its latent store")
@@ -65,7 +69,11 @@ def build_index(phase_name: str, phase: Phase, manifests: dict[str, pl.DataFrame
         picks = rng.choice(available, size=count, replace=phase.with_replacement)
         parts.append(
             manifest[picks].select(
-                pl.lit(source).alias("source"), pl.col("shard").cast(pl.Int64), pl.col("row").cast(pl.Int64), "key"
+                pl.lit(source).alias("source"),
+                pl.col("shard").cast(pl.Int64),
+                *(pl.col(c).cast(pl.Int32) for c in BUCKET_COLUMNS),
+                pl.col("row").cast(pl.Int64),
+                "key",
             )
         )
     index = pl.concat(parts)
@@ -73,25 +81,27 @@ def build_index(phase_name: str, phase: Phase, manifests: dict[str, pl.DataFrame
 
 
 def index_digest(index: pl.DataFrame) -> str:
-    """SHA-256 of the index's (source, shard, row, key) rows as text: equal digests, equal training order."""
+    """SHA-256 of the index's (source, shard, bucket, row, key) rows as text: equal digests, equal training order."""
     digest = hashlib.sha256()
-    for source, shard, row, key in index.select("source", "shard", "row", "key").iter_rows():
-        digest.update(f"{source}\t{shard}\t{row}\t{key}\n".encode())
+    for source, shard, bw, bh, row, key in index.select("source", "shard", *BUCKET_COLUMNS, "row", "key").iter_rows():
+        digest.update(f"{source}\t{shard}\t{bw}x{bh}\t{row}\t{key}\n".encode())
     return digest.hexdigest()
 
 
-def read_manifest(latents_dir: Path, source: str) -> pl.DataFrame:
-    """``source``'s latent manifest, checked for the columns the index needs and unique (shard, row)."""
-    path = latents_dir / source / MANIFEST
-    manifest = read_parquet_checked(path, {"key", "shard", "row"}, f"re-run encode_latents@{source}")
-    if manifest.select("shard", "row").is_duplicated().any():
-        raise InputError(f"{path}: manifest lists a (shard, row) twice; re-run encode_latents@{source}")
+def read_manifest(latents_dir: Path, source: str, resolution: str) -> pl.DataFrame:
+    """``source``'s latent manifest at ``resolution``, checked for the columns the index needs and unique
+    (shard, bucket, row)."""
+    path = resolution_dir(latents_dir, source, resolution) / MANIFEST
+    remedy = f"re-run encode_latents@{source} (is '{resolution}' in encode.resolutions?)"
+    manifest = read_parquet_checked(path, {"key", "shard", "row", *BUCKET_COLUMNS}, remedy)
+    if manifest.select("shard", *BUCKET_COLUMNS, "row").is_duplicated().any():
+        raise InputError(f"{path}: manifest lists a (shard, bucket, row) twice; re-run encode_latents@{source}")
     return manifest
 
 
-def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int) -> dict:
-    """Write the phase index parquet; return requested vs obtained composition metrics."""
-    manifests = {source: read_manifest(latents_dir, source) for source in phase.mix}
+def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int, resolution: str) -> dict:
+    """Write the phase index parquet; return requested vs obtained composition and per-bucket metrics."""
+    manifests = {source: read_manifest(latents_dir, source, resolution) for source in phase.mix}
     index = build_index(phase_name, phase, manifests, seed)
     buf = io.BytesIO()
     index.write_parquet(buf)
@@ -107,6 +117,8 @@ def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: 
         metrics[f"requested.{source}"] = requested[source]
         metrics[f"samples.{source}"] = n
         metrics[f"available.{source}"] = manifests[source].height
+    for bw, bh, n in index.group_by(*BUCKET_COLUMNS).len().sort(BUCKET_COLUMNS).iter_rows():
+        metrics[f"bucket.{bw}x{bh}"] = n
     return metrics
 
 
@@ -138,6 +150,7 @@ def run_stage(params: Params, phase_name: str) -> dict:
         Path(params.paths.latents),
         Path(params.paths.mixes) / f"{phase_name}.parquet",
         params.train.seed,
+        params.phase_resolution(phase_name),
     )
 
     digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))

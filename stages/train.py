@@ -104,6 +104,7 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
             trained * tr.phase.batch_size * tr.phase.grad_accum * dist.world / max(elapsed, 1e-9), 2
         ),
     }
+    metrics.update(resolution=params.phase_resolution(phase_name), **tr.bucket_counts)
     if dist.is_main:
         curve = loss_curve_path(paths.metrics, phase_name)
         metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)

@@ -4,13 +4,21 @@ import torch
 
 from model.builders import count_parameters, unet_config
 from sdforge.config import load_params
+from sdforge.ingest.buckets import shapes_of
 
 SD1_UNET_PARAMS = 859_520_964
 
 
-def test_full_config_loads_with_seven_phases_and_real_sources():
+def test_full_config_loads_with_phase0_seven_phases_and_real_sources():
     p = load_params("configs/full/params.yaml")
-    assert p.phase_names() == [f"phase{i}" for i in range(1, 8)]
+    assert p.phase_names() == [f"phase{i}" for i in range(0, 8)]
+    assert (p.phases["phase0"].init_from, p.phases["phase1"].init_from) == ("scratch", "phase0")
+    assert [p.phase_resolution(n) for n in p.phases] == ["px256"] + ["px512"] * 7
+    assert {k: shapes_of(v) for k, v in p.bucket_sets().items()} == {
+        "px256": [(192, 320), (256, 256), (320, 192)],
+        "px512": [(384, 640), (448, 576), (512, 512), (576, 448), (640, 384)],
+    }
+    assert {s.fetch.resize_mode for s in p.sources.values()} == {"keep_ratio"}  # encode crops into buckets
     assert {s.kind for s in p.sources.values()} == {"laion", "diffusiondb", "journeydb", "vggface2", "coco"}
     assert p.models.source == "pretrained"
     assert p.models.vae == "stabilityai/sd-vae-ft-mse"

@@ -26,6 +26,8 @@ FULL_PARAMS = REPO / "configs/full/params.yaml"
 DEMO_PARAMS = REPO / "params.yaml"
 SOURCE = "laion"
 PHASE = "phase1"
+RESOLUTION, BUCKET = "square", (64, 64)
+"""The synthetic store's one bucket set and bucket: a label only (the latents are written, not encoded)."""
 TINY_UNET = {
     "sample_size": 8,
     "block_out_channels": [16, 32],
@@ -49,6 +51,10 @@ def workspace_params(root: Path, unet: dict, samples: int, train: dict, phase: d
     data = yaml.safe_load(DEMO_PARAMS.read_text())
     data["paths"] = {k: str(root / v) for k, v in data["paths"].items()}
     data["tracking"]["enabled"] = False
+    data["buckets"] = {RESOLUTION: {"sizes": [list(BUCKET)], "step": BUCKET[0]}}  # the store's one (label) bucket
+    data["encode"]["resolutions"] = [RESOLUTION]
+    for phase_cfg in data["phases"].values():
+        phase_cfg.pop("resolution", None)
     data["models"]["unet"] = {**unet, "in_channels": 4, "out_channels": 4}
     data["models"]["vae_build"].update(train_steps=1, block_out_channels=[8, 16], batch_size=4)
     data["models"]["text_encoder_build"].update(
@@ -65,7 +71,7 @@ def write_latents(latents_dir: Path, samples: int, size: int, seed: int = 0) -> 
     gen = torch.Generator().manual_seed(seed)
     latents = torch.randn(samples, 4, size, size, generator=gen)
     ids = torch.randint(0, 500, (samples, 77), generator=gen)
-    path = shard_path(latents_dir, SOURCE, 0)
+    path = shard_path(latents_dir, SOURCE, RESOLUTION, 0, BUCKET)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_shard(path, latents, ids)
     keys = [f"{i:06d}" for i in range(samples)]
@@ -75,6 +81,8 @@ def write_latents(latents_dir: Path, samples: int, size: int, seed: int = 0) -> 
             "caption": ["synthetic"] * samples,
             "source": [SOURCE] * samples,
             "shard": [0] * samples,
+            "bucket_width": [BUCKET[0]] * samples,
+            "bucket_height": [BUCKET[1]] * samples,
             "row": list(range(samples)),
         }
     )
@@ -88,6 +96,8 @@ def write_index(mixes_dir: Path, samples: int) -> None:
         {
             "source": [SOURCE] * samples,
             "shard": pa.array([0] * samples, pa.int64()),
+            "bucket_width": pa.array([BUCKET[0]] * samples, pa.int32()),
+            "bucket_height": pa.array([BUCKET[1]] * samples, pa.int32()),
             "row": pa.array(range(samples), pa.int64()),
             "key": [f"{i:06d}" for i in range(samples)],
         }

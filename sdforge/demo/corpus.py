@@ -1,6 +1,9 @@
 """The demo corpus: coloured shapes captioned like "a red circle on a white background", written in the
 real sources' formats (LAION metadata parquet + images served over loopback, a DiffusionDB zip).
 
+Images are drawn on the ``demo.canvases`` (width, height) in turn (:class:`CanvasCycle`): square and
+non-square images alike, the shape sized from the canvas's shorter side; captions do not mention it.
+
 Everything derives from ``demo.seed``; the bytes are identical run to run. The ``make_demo_data`` stage
 writes it with :func:`build`.
 """
@@ -22,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdforge.config import DemoData
-from sdforge.demo.shapes import ShapeSpec, SpecDeck, render_spec, shown_specs
+from sdforge.demo.shapes import ShapeSpec, SpecDeck, render, shown_specs
 from sdforge.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -63,10 +66,30 @@ def deck(cfg: DemoData, rng: np.random.Generator) -> SpecDeck:
     return SpecDeck(shown_specs(list(cfg.colours), list(cfg.shapes), list(cfg.backgrounds), cfg.held_out), rng)
 
 
-def draw(cfg: DemoData, specs: SpecDeck, rng: np.random.Generator) -> tuple[ShapeSpec, np.ndarray]:
-    """The deck's next spec and its rendered RGB image at ``demo.image_size`` (position and size from ``rng``)."""
+class CanvasCycle:
+    """The corpus' canvases in turn: draw ``i`` of a source is on ``demo.canvases[i % len(demo.canvases)]``
+    (``[(image_size, image_size)]`` when the list is empty), so ``n`` draws hold each canvas ``n // k`` or one
+    more times. A cycle, not draws from ``rng``: the position/size random stream is the same whatever the
+    canvases are (same draws as before canvases existed), and the counts are exact."""
+
+    def __init__(self, cfg: DemoData):
+        self.sizes, self.drawn = cfg.canvas_sizes, 0
+
+    def next(self) -> tuple[int, int]:
+        """The next ``(width, height)``."""
+        size = self.sizes[self.drawn % len(self.sizes)]
+        self.drawn += 1
+        return size
+
+
+def draw(
+    cfg: DemoData, specs: SpecDeck, rng: np.random.Generator, canvas: tuple[int, int] | None = None
+) -> tuple[ShapeSpec, np.ndarray]:
+    """The deck's next spec and its RGB image on ``canvas`` (width, height; default: the first of
+    ``demo.canvases``), position and size from ``rng``."""
     spec = specs.draw()
-    return spec, render_spec(cfg, spec, rng)
+    colour, background = cfg.colours[spec.colour], cfg.backgrounds[spec.background]
+    return spec, render(spec, canvas or cfg.canvas_sizes[0], colour, background, rng, cfg.half_size)
 
 
 def stable_hash(*parts: object) -> int:
@@ -79,13 +102,16 @@ def _draw(rng: np.random.Generator, low: float, high: float) -> float:
     return round(float(rng.uniform(low, high)), 4)
 
 
-def good_row(cfg: DemoData, rng: np.random.Generator, url: str, caption: str, tag: str) -> dict[str, Any]:
-    """A row that passes every quality rule (values drawn in the demo's 'good' ranges)."""
+def good_row(
+    cfg: DemoData, rng: np.random.Generator, url: str, caption: str, tag: str, size: tuple[int, int]
+) -> dict[str, Any]:
+    """A row that passes every quality rule (values drawn in the demo's 'good' ranges); ``size`` is its image's
+    (width, height)."""
     return {
         "URL": url,
         "TEXT": caption,
-        "WIDTH": cfg.image_size,
-        "HEIGHT": cfg.image_size,
+        "WIDTH": int(size[0]),
+        "HEIGHT": int(size[1]),
         "similarity": _draw(rng, 0.30, 0.40),
         "punsafe": _draw(rng, 0.0, 0.05),
         "pwatermark": _draw(rng, 0.0, 0.2),
@@ -102,16 +128,19 @@ def image_url(cfg: DemoData, name: str) -> str:
 def laion_rows(cfg: DemoData, rng: np.random.Generator, http_root: Path) -> tuple[list[dict], dict[str, int]]:
     """All LAION rows in their final (shuffled) order, writing served images under ``http_root``."""
     served: list[dict] = []
-    specs = deck(cfg, rng)  # served rows first: the images the model trains on are balanced
+    # served rows first: the images the model trains on are balanced (combinations and canvases)
+    specs, canvases = deck(cfg, rng), CanvasCycle(cfg)
     for i in range(cfg.laion_rows):
-        spec, img = draw(cfg, specs, rng)
+        size = canvases.next()
+        spec, img = draw(cfg, specs, rng, size)
         name = f"shape-{i:06d}"
         atomic_write_bytes(http_root / "images" / f"{name}.jpg", encode_image(img, ".jpg"))
-        served.append(good_row(cfg, rng, image_url(cfg, name), spec.caption(), name))
+        served.append(good_row(cfg, rng, image_url(cfg, name), spec.caption(), name, size))
     rows = list(served)
     for i in range(cfg.missing_rows):
-        spec, _ = draw(cfg, specs, rng)
-        rows.append(good_row(cfg, rng, image_url(cfg, f"missing-{i:06d}"), spec.caption(), f"missing-{i}"))
+        size = canvases.next()
+        spec, _ = draw(cfg, specs, rng, size)
+        rows.append(good_row(cfg, rng, image_url(cfg, f"missing-{i:06d}"), spec.caption(), f"missing-{i}", size))
     bad = {
         "low_aesthetic": (cfg.low_aesthetic_rows, lambda: {"AESTHETIC_SCORE": _draw(rng, 2.0, 4.9)}),
         "watermark": (cfg.watermark_rows, lambda: {"pwatermark": _draw(rng, 0.6, 1.0)}),
@@ -120,8 +149,9 @@ def laion_rows(cfg: DemoData, rng: np.random.Generator, http_root: Path) -> tupl
     }
     for kind, (count, overrides) in bad.items():
         for i in range(count):
-            spec, _ = draw(cfg, specs, rng)
-            row = good_row(cfg, rng, image_url(cfg, f"{kind}-{i:06d}"), spec.caption(), f"{kind}-{i}")
+            size = canvases.next()
+            spec, _ = draw(cfg, specs, rng, size)
+            row = good_row(cfg, rng, image_url(cfg, f"{kind}-{i:06d}"), spec.caption(), f"{kind}-{i}", size)
             rows.append({**row, **overrides()})
     rows = [rows[i] for i in rng.permutation(len(rows))]
     n_url = insert_duplicates(cfg, rng, rows, served)
@@ -151,7 +181,8 @@ def insert_duplicates(cfg: DemoData, rng: np.random.Generator, rows: list[dict],
     picks = rng.choice(len(served), size=cfg.duplicate_rows, replace=cfg.duplicate_rows > len(served))
     for i, pick in enumerate(picks):
         original = served[int(pick)]
-        dup = good_row(cfg, rng, original["URL"], original["TEXT"], f"duplicate-{i}")
+        size = (original["WIDTH"], original["HEIGHT"])  # the same image as its original
+        dup = good_row(cfg, rng, original["URL"], original["TEXT"], f"duplicate-{i}", size)
         if i < n_url:
             scheme, rest = original["URL"].split("://", 1)
             host, path = rest.split("/", 1)
@@ -175,9 +206,9 @@ def diffusiondb_zip(cfg: DemoData, rng: np.random.Generator) -> bytes:
     """A DiffusionDB-style zip: ``<uuid>.png`` images and ``part-NNNNNN.json`` (sorted, fixed dates)."""
     entries: dict[str, bytes] = {}
     mapping: dict[str, dict[str, Any]] = {}
-    specs = deck(cfg, rng)
+    specs, canvases = deck(cfg, rng), CanvasCycle(cfg)
     for _ in range(cfg.archive_images):
-        spec, img = draw(cfg, specs, rng)
+        spec, img = draw(cfg, specs, rng, canvases.next())
         name = f"{uuid.UUID(bytes=rng.bytes(16), version=4)}.png"
         entries[name] = encode_image(img, ".png")
         mapping[name] = {

@@ -72,21 +72,32 @@ class SpecDeck:
         return self.queue.pop()
 
 
+Size = int | tuple[int, int]
+"""An image size: a square side, or ``(width, height)``."""
+
+
+def as_wh(size: Size) -> tuple[int, int]:
+    """``(width, height)`` of a :data:`Size`."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
 def render(
     spec: ShapeSpec,
-    size: int,
+    size: Size,
     colour_rgb: tuple[int, int, int],
     background_rgb: tuple[int, int, int],
     rng: np.random.Generator,
     half_size: tuple[float, float],
 ) -> np.ndarray:
-    """Draw ``spec`` as an RGB uint8 image of ``size``×``size``; position and scale jitter with ``rng``: the
-    shape's half-width is drawn from ``half_size`` (fractions of ``size``), its centre anywhere it fits."""
-    img = np.empty((size, size, 3), np.uint8)
+    """Draw ``spec`` as an RGB uint8 image of ``size`` (a side, or ``(width, height)``); position and scale jitter
+    with ``rng``: the shape's half-width is drawn from ``half_size`` (fractions of the canvas's shorter side),
+    its centre anywhere it fits on the canvas (2 px from every edge). A square ``size`` draws what it always did."""
+    width, height = as_wh(size)
+    img = np.empty((height, width, 3), np.uint8)
     img[:] = background_rgb
-    half = int(size * rng.uniform(*half_size))
-    cx = int(rng.integers(half + 2, size - half - 2))
-    cy = int(rng.integers(half + 2, size - half - 2))
+    half = int(min(width, height) * rng.uniform(*half_size))
+    cx = int(rng.integers(half + 2, width - half - 2))
+    cy = int(rng.integers(half + 2, height - half - 2))
     colour = tuple(int(c) for c in colour_rgb)
     if spec.shape == "circle":
         cv2.circle(img, (cx, cy), half, colour, thickness=-1, lineType=cv2.LINE_AA)
@@ -100,13 +111,26 @@ def render(
     return img
 
 
-def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixels: int | None = None) -> np.ndarray:
+def truth_canvas(demo: DemoData, pixels: Size) -> tuple[int, int]:
+    """The canvas a ground-truth render of ``pixels`` is drawn on before its INTER_AREA resize: ``pixels``'
+    aspect with the shorter side ``demo.image_size`` (square ``pixels``: ``image_size``², as always)."""
+    width, height = as_wh(pixels)
+    scale = demo.image_size / min(width, height)
+    return round(width * scale), round(height * scale)
+
+
+def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixels: Size | None = None) -> np.ndarray:
     """``spec`` as the demo corpus draws it (its palette, ``demo.half_size``) at ``demo.image_size``, then
-    resized to ``pixels`` with INTER_AREA (how the fetch brings it to the training size) when given."""
+    resized to ``pixels`` with INTER_AREA (how the fetch brings it to the training size) when given.
+
+    ``pixels`` may be ``(width, height)``: the shape is then drawn on :func:`truth_canvas` (that aspect, the
+    shorter side ``demo.image_size``, so the shape has the corpus' size relative to the shorter side) and
+    resized to exactly ``width``×``height``."""
     colour, background = demo.colours[spec.colour], demo.backgrounds[spec.background]
-    img = render(spec, demo.image_size, colour, background, rng, demo.half_size)
-    if pixels is not None and pixels != demo.image_size:
-        img = cv2.resize(img, (pixels, pixels), interpolation=cv2.INTER_AREA)
+    canvas = truth_canvas(demo, pixels) if pixels is not None else (demo.image_size, demo.image_size)
+    img = render(spec, canvas, colour, background, rng, demo.half_size)
+    if pixels is not None and as_wh(pixels) != canvas:
+        img = cv2.resize(img, as_wh(pixels), interpolation=cv2.INTER_AREA)
     return img
 
 

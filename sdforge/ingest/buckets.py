@@ -51,6 +51,14 @@ def generate_buckets(max_area: int, step: int = 64, min_aspect: float = 0.5, max
     return sorted(found, key=lambda s: (s[0] / s[1], s[0]))
 
 
+def shapes_of(bucket_set) -> list[Size]:
+    """The buckets of a :class:`sdforge.config.BucketSet` (listed ``sizes``, or generated from ``max_area``,
+    ``step`` and the aspect range), sorted by aspect ratio (then width), without duplicates."""
+    if bucket_set.sizes is not None:
+        return sorted({(int(w), int(h)) for w, h in bucket_set.sizes}, key=lambda s: (s[0] / s[1], s[0]))
+    return generate_buckets(bucket_set.max_area, bucket_set.step, bucket_set.min_aspect, bucket_set.max_aspect)
+
+
 def nearest_bucket(width: int, height: int, buckets: list[Size]) -> Size:
     """The bucket whose aspect ratio is nearest the image's (log distance; ties: the larger area)."""
     if width <= 0 or height <= 0:

@@ -15,6 +15,7 @@ epoch, and none is left out two epochs in a row).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +61,20 @@ def plan_epoch(
         for earlier in range(epoch):
             carried = _cut(sample_buckets, earlier, seed, world * batch_size, carried).left_out
     return _cut(sample_buckets, epoch, seed, world * batch_size, carried)
+
+
+def plan_epochs(
+    sample_buckets: np.ndarray, epochs: int, seed: int, world: int, batch_size: int, tail: str = "drop"
+) -> Iterator[EpochPlan]:
+    """:func:`plan_epoch` for epochs ``0 .. epochs-1`` in one pass (each epoch's carried tails come from the
+    previous plan: linear in ``epochs``, where calling :func:`plan_epoch` per epoch replays every earlier one)."""
+    carried: dict[int, np.ndarray] = {}
+    for epoch in range(epochs):
+        plan = plan_epoch(sample_buckets, 0, seed, world, batch_size, tail) if epoch == 0 else None  # validates
+        if plan is None:
+            plan = _cut(np.asarray(sample_buckets), epoch, seed, world * batch_size, carried)
+        carried = plan.left_out if tail == "carry" else {}
+        yield plan
 
 
 def _cut(sample_buckets: np.ndarray, epoch: int, seed: int, global_batch: int, carried: dict[int, np.ndarray]):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
 import torch
 
+from sdforge.ingest.buckets import CropPlan, Size, plan
 from sdforge.ingest.ustar import (
     BLOCK,
     END_BLOCK,
@@ -158,7 +159,11 @@ def iter_tar_groups(fh, counts: Counter) -> Iterator[tuple[str, dict[str, bytes]
 
 @dataclass
 class Decoded:
-    """One sample after decoding; ``image`` is None when it was skipped (``problem`` says why)."""
+    """One sample after decoding; ``image`` is None when it was skipped (``problem`` says why).
+
+    ``image`` has its bucket's shape; ``crop`` is the box (left, top, right, bottom) cut from the image
+    resized (aspect kept) to ``resized_to`` — SDXL's crop conditioning — and ``width``/``height`` the
+    size found in the tar."""
 
     key: str
     caption: str
@@ -169,20 +174,27 @@ class Decoded:
     original_height: int | None = None
     resized: bool = False
     problem: str | None = None
+    bucket: Size | None = None
+    resized_to: Size | None = None
+    crop: tuple[int, int, int, int] | None = None
 
 
-def resize_center_crop(img: np.ndarray, size: int) -> np.ndarray:
-    """Scale the shorter side to ``size`` (INTER_AREA down, INTER_CUBIC up), then crop the centre square."""
+def cover_crop(img: np.ndarray, crop_plan: CropPlan) -> np.ndarray:
+    """Resize ``img`` (aspect kept) to ``crop_plan.resized`` (INTER_AREA down, INTER_CUBIC up), cut ``crop_plan.box``.
+
+    With a square bucket this is the shorter side scaled to the bucket's and the centre square cut
+    (the encoder's behaviour before buckets, byte for byte)."""
     h, w = img.shape[:2]
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-    img = cv2.resize(img, (nw, nh), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC)
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return img[top : top + size, left : left + size]
+    if (w, h) != crop_plan.resized:
+        down = crop_plan.resized[0] * crop_plan.resized[1] < w * h
+        img = cv2.resize(img, crop_plan.resized, interpolation=cv2.INTER_AREA if down else cv2.INTER_CUBIC)
+    left, top, right, bottom = crop_plan.box
+    return img[top:bottom, left:right]
 
 
-def decode_sample(key: str, files: dict[str, bytes], resolution: int, wrong_size: str = "resize") -> Decoded:
-    """Decode one WebDataset sample to RGB ``resolution``²; bad samples come back with a ``problem``."""
+def decode_sample(key: str, files: dict[str, bytes], buckets: Sequence[Size], wrong_size: str = "resize") -> Decoded:
+    """Decode one WebDataset sample to RGB at its nearest bucket (:func:`sdforge.ingest.buckets.plan`);
+    bad samples come back with a ``problem``."""
     caption = files.get("txt", b"").decode("utf-8", errors="replace")
     meta = _sizes(files.get("json"))
     out = Decoded(key, caption, None, original_width=meta[0], original_height=meta[1])
@@ -198,18 +210,20 @@ def decode_sample(key: str, files: dict[str, bytes], resolution: int, wrong_size
         out.problem = "corrupt"
         return out
     out.height, out.width = img.shape[:2]
-    if img.shape[:2] != (resolution, resolution):
+    crop_plan = plan(out.width, out.height, list(buckets))
+    out.bucket, out.resized_to, out.crop = crop_plan.bucket, crop_plan.resized, crop_plan.box
+    if (out.width, out.height) != crop_plan.bucket:
         if wrong_size == "skip":
             out.problem = "wrong_size"
             return out
-        img, out.resized = resize_center_crop(img, resolution), True
+        img, out.resized = cover_crop(img, crop_plan), True
     out.image = img if _IMREAD_RGB != cv2.IMREAD_COLOR else cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
     return out
 
 
-def decode_chunk(chunk: list[tuple[str, dict[str, bytes]]], resolution: int, wrong_size: str) -> list[Decoded]:
+def decode_chunk(chunk: list[tuple[str, dict[str, bytes]]], buckets: Sequence[Size], wrong_size: str) -> list[Decoded]:
     """:func:`decode_sample` over several samples (one pool job: less per-sample overhead)."""
-    return [decode_sample(key, files, resolution, wrong_size) for key, files in chunk]
+    return [decode_sample(key, files, buckets, wrong_size) for key, files in chunk]
 
 
 def _sizes(data: bytes | None) -> tuple[int | None, int | None]:

@@ -1,13 +1,20 @@
 """Training data from a phase index over the latent store: deterministic per-epoch, per-rank batches.
 
-:class:`LatentIndexDataset` memory-maps every shard the index names (:func:`sdforge.latents.store.open_shard`:
-a header read each) and checks that every indexed row exists; nothing else is read up front. A batch
-is gathered from the memmaps on request, shard by shard with rows in ascending order, then put back
-in the batch's order. Shard pages live in the OS page cache, shared by every DDP rank on the node.
+:class:`LatentIndexDataset` memory-maps every shard file the index names (one per input tar and bucket,
+:func:`sdforge.latents.store.open_shard`: a header read each) and checks that every indexed row exists;
+nothing else is read up front. A batch is gathered from the memmaps on request, shard by shard with rows
+in ascending order, then put back in the batch's order. Shard pages live in the OS page cache, shared by
+every DDP rank on the node.
 
-Every rank sees a disjoint slice of the epoch's permutation (same length on every rank, so DDP
-ranks step together), and iteration can start at any batch offset without touching the skipped
-batches (mid-epoch resume).
+Every rank sees a disjoint part of the epoch (same number of batches on every rank, so DDP ranks step
+together), and iteration can start at any batch offset without touching the skipped batches (mid-epoch
+resume). The epoch's order (:func:`rank_batches`):
+
+* one bucket (square-only): a seeded permutation strided by rank, cut into batches, the last one partial
+  (:func:`rank_order`; the order every figure before buckets was measured with);
+* several buckets: :func:`sdforge.latents.bucket_batches.plan_epoch`: every global batch holds one
+  bucket's samples, so at each step all ranks train on one shape; a bucket's tail smaller than a global
+  batch is dropped or carried to the next epoch (``train.bucket_tail``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sdforge.io import InputError
+from sdforge.latents.bucket_batches import plan_epoch, plan_epochs
 from sdforge.latents.store import ShardArrays, open_shard, shard_path
 
 log = logging.getLogger(__name__)
@@ -34,57 +42,82 @@ PREFETCH_BATCHES = 4
 
 
 class LatentIndexDataset:
-    """The samples a phase index points at, read on demand from memory-mapped latent shards."""
+    """The samples a phase index points at, read on demand from memory-mapped latent shards.
 
-    def __init__(self, index_path: Path, latents_dir: Path):
+    ``buckets`` lists the index's bucket shapes (width, height), sorted; ``sample_bucket[i]`` is sample
+    ``i``'s position in it; ``latent_shapes[b]`` is bucket ``b``'s latent shape ``(C, h, w)``."""
+
+    def __init__(self, index_path: Path, latents_dir: Path, resolution: str):
         index_path, latents_dir = Path(index_path), Path(latents_dir)
         index = _read_index(index_path)
-        # one shard id per (source, shard), in (source, shard) order; every row's shard id
-        keys, self._sid = np.unique(np.stack([index.source_code, index.shard]), axis=1, return_inverse=True)
+        buckets, self.sample_bucket = np.unique(
+            np.stack([index.bucket_width, index.bucket_height]), axis=1, return_inverse=True
+        )
+        self.buckets: list[tuple[int, int]] = [tuple(b) for b in buckets.T.tolist()]
+        self.sample_bucket = self.sample_bucket.reshape(-1).astype(np.int32)
+        # one shard id per (source, shard, bucket), sorted; every row's shard id
+        keys, self._sid = np.unique(
+            np.stack([index.source_code, index.shard, self.sample_bucket]), axis=1, return_inverse=True
+        )
         self._sid = self._sid.reshape(-1).astype(np.int32)
         self._row = index.row
         self._shards: list[ShardArrays] = []
         self._ids_fetched: set[int] = set()
-        for sid, (code, shard) in enumerate(keys.T.tolist()):
-            source = index.sources[code]
-            arrays = _open_checked(index_path, latents_dir, source, shard)
-            rows = self._row[self._sid == sid]
-            bad = rows[(rows < 0) | (rows >= len(arrays))]
-            if bad.size:
-                raise InputError(
-                    f"{index_path}: source '{source}' shard {shard} ({shard_path(latents_dir, source, shard)}) has "
-                    f"{len(arrays)} rows but the index points at row(s) {bad[:5].tolist()} "
-                    f"({bad.size} of its {rows.size} rows out of range); re-run encode_latents@{source}, then mix_phase"
-                )
-            if self._shards and (
-                arrays.latents.shape[1:] != self._shards[0].latents.shape[1:]
-                or arrays.input_ids.shape[1:] != self._shards[0].input_ids.shape[1:]
-            ):
-                raise InputError(
-                    f"{index_path}: source '{source}' shard {shard} holds latents {arrays.latents.shape[1:]} / ids "
-                    f"{arrays.input_ids.shape[1:]} but earlier shards hold {self._shards[0].latents.shape[1:]} / "
-                    f"{self._shards[0].input_ids.shape[1:]}; one phase needs one latent shape"
-                )
+        self.latent_shapes: dict[int, tuple[int, ...]] = {}
+        for sid, (code, shard, bucket) in enumerate(keys.T.tolist()):
+            where = (index.sources[code], shard, self.buckets[bucket])
+            arrays = _open_checked(index_path, latents_dir, resolution, *where)
+            self._check_rows(index_path, latents_dir, resolution, where, arrays, self._row[self._sid == sid])
+            self._check_shape(
+                index_path, where, arrays, self.latent_shapes.setdefault(bucket, arrays.latents.shape[1:])
+            )
             _advise_random(arrays.latents)
             self._shards.append(arrays)
-        self.latent_shape: tuple[int, ...] = tuple(self._shards[0].latents.shape[1:])
-        self._row_bytes = self._shards[0].latents[0].nbytes
+        self._row_bytes = [arrays.latents[0].nbytes for arrays in self._shards]
+        self.latent_shape: tuple[int, ...] = tuple(self.latent_shapes[0])
+        """The first bucket's latent shape (the only one for a square-only phase)."""
         log.info(
-            "indexed %d samples %s in %d memory-mapped shards from %s",
+            "indexed %d samples in %d bucket(s) %s, %d memory-mapped shard files from %s",
             len(self),
-            self.latent_shape,
+            len(self.buckets),
+            self.buckets,
             len(self._shards),
             index_path,
         )
+
+    def _check_rows(self, index_path, latents_dir, resolution, where, arrays: ShardArrays, rows: np.ndarray) -> None:
+        bad = rows[(rows < 0) | (rows >= len(arrays))]
+        if bad.size:
+            source, shard, bucket = where
+            raise InputError(
+                f"{index_path}: source '{source}' shard {shard} bucket {bucket[0]}x{bucket[1]} "
+                f"({shard_path(latents_dir, source, resolution, shard, bucket)}) has {len(arrays)} rows but the "
+                f"index points at row(s) {bad[:5].tolist()} ({bad.size} of its {rows.size} rows out of range); "
+                f"re-run encode_latents@{source}, then mix_phase"
+            )
+
+    def _check_shape(self, index_path, where, arrays: ShardArrays, expected: tuple[int, ...]) -> None:
+        first_ids = self._shards[0].input_ids.shape[1:] if self._shards else arrays.input_ids.shape[1:]
+        if arrays.latents.shape[1:] != expected or arrays.input_ids.shape[1:] != first_ids:
+            source, shard, bucket = where
+            raise InputError(
+                f"{index_path}: source '{source}' shard {shard} holds latents {arrays.latents.shape[1:]} / ids "
+                f"{arrays.input_ids.shape[1:]} for bucket {bucket[0]}x{bucket[1]}, but other shards hold "
+                f"{expected} / {first_ids}; one bucket needs one latent shape (re-run encode_latents@{source})"
+            )
 
     def __len__(self) -> int:
         return self._row.shape[0]
 
     def gather(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latents fp32 [B, C, h, w], input_ids int64 [B, 77])`` of the samples at index ``positions``."""
+        """``(latents fp32 [B, C, h, w], input_ids int64 [B, 77])`` of the samples at index ``positions``
+        (all of one bucket)."""
         positions = np.asarray(positions)
         sid, row = self._sid[positions], self._row[positions]
-        first = self._shards[0]
+        buckets = np.unique(self.sample_bucket[positions])
+        if buckets.size > 1:
+            raise ValueError(f"a batch mixes buckets {[self.buckets[b] for b in buckets.tolist()]}")
+        first = self._shards[sid[0]] if positions.size else self._shards[0]
         latents = np.empty((len(positions), *first.latents.shape[1:]), dtype=first.latents.dtype)
         input_ids = np.empty((len(positions), *first.input_ids.shape[1:]), dtype=first.input_ids.dtype)
         order = np.lexsort((row, sid))  # shard by shard, rows ascending: sequential-ish reads
@@ -110,8 +143,8 @@ class LatentIndexDataset:
                 self._ids_fetched.add(sid)
                 ids = self._shards[sid].input_ids
                 _will_need(ids, 0, ids.nbytes)
-            latents = self._shards[sid].latents
-            _will_need(latents, row * self._row_bytes, self._row_bytes)
+            latents, size = self._shards[sid].latents, self._row_bytes[sid]
+            _will_need(latents, row * size, size)
 
 
 def to_float32(array: np.ndarray) -> torch.Tensor:
@@ -154,12 +187,17 @@ def _will_need(array: np.ndarray, start: int, length: int) -> None:
 
 
 class _Index(NamedTuple):
-    """A phase index's columns: ``sources[source_code[i]]``, ``shard[i]``, ``row[i]`` (sources sorted)."""
+    """A phase index's columns: ``sources[source_code[i]]``, ``shard[i]``, bucket, ``row[i]`` (sources sorted)."""
 
     sources: list[str]
     source_code: np.ndarray
     shard: np.ndarray
+    bucket_width: np.ndarray
+    bucket_height: np.ndarray
     row: np.ndarray
+
+
+_INDEX_COLUMNS = ("source", "shard", "bucket_width", "bucket_height", "row")
 
 
 def _read_index(index_path: Path) -> _Index:
@@ -171,34 +209,34 @@ def _read_index(index_path: Path) -> _Index:
         table = pq.read_table(index_path)
     except (OSError, pa.ArrowException) as err:
         raise InputError(f"{index_path}: unreadable parquet ({type(err).__name__}: {err}); {remedy}") from None
-    missing = sorted({"source", "shard", "row"} - set(table.column_names))
+    missing = sorted(set(_INDEX_COLUMNS) - set(table.column_names))
     if missing:
         raise InputError(f"{index_path}: lacks column(s) {missing}; {remedy}")
     if table.num_rows == 0:
         raise InputError(f"{index_path}: the phase index is empty")
-    nulls = [name for name in ("source", "shard", "row") if table[name].null_count]
+    nulls = [name for name in _INDEX_COLUMNS if table[name].null_count]
     if nulls:
         raise InputError(f"{index_path}: null values in column(s) {nulls}; {remedy}")
     try:
         source = np.asarray(table["source"].cast(pa.string()).to_pylist(), dtype=object)
-        shard = table["shard"].cast(pa.int64()).to_numpy()
-        row = table["row"].cast(pa.int64()).to_numpy()
+        shard, bw, bh, row = (table[c].cast(pa.int64()).to_numpy() for c in _INDEX_COLUMNS[1:])
     except (pa.ArrowException, ValueError) as err:
-        raise InputError(f"{index_path}: bad source/shard/row values ({err}); {remedy}") from None
+        raise InputError(f"{index_path}: bad source/shard/bucket/row values ({err}); {remedy}") from None
     sources, source_code = np.unique(source, return_inverse=True)
-    return _Index(sources.tolist(), source_code.reshape(-1), shard, row)
+    return _Index(sources.tolist(), source_code.reshape(-1), shard, bw, bh, row)
 
 
-def _open_checked(index_path: Path, latents_dir: Path, source: str, shard: int) -> ShardArrays:
-    path = shard_path(latents_dir, source, shard)
+def _open_checked(
+    index_path: Path, latents_dir: Path, resolution: str, source: str, shard: int, bucket: tuple[int, int]
+) -> ShardArrays:
+    path = shard_path(latents_dir, source, resolution, shard, bucket)
+    where = f"{index_path}: source '{source}' shard {shard} bucket {bucket[0]}x{bucket[1]}"
     if not path.is_file():
-        raise InputError(
-            f"{index_path}: source '{source}' shard {shard}: {path} does not exist (re-run encode_latents@{source})"
-        )
+        raise InputError(f"{where}: {path} does not exist (re-run encode_latents@{source}, then mix_phase)")
     try:
         return open_shard(path)
     except InputError as err:
-        raise InputError(f"{index_path}: source '{source}' shard {shard}: {err}") from None
+        raise InputError(f"{where}: {err}") from None
 
 
 def rank_order(num_samples: int, epoch: int, seed: int, rank: int, world: int) -> np.ndarray:
@@ -212,24 +250,62 @@ def rank_order(num_samples: int, epoch: int, seed: int, rank: int, world: int) -
 
 
 def batches_per_epoch(num_samples: int, world: int, batch_size: int) -> int:
-    """Batches per rank per epoch (the last one may be partial)."""
+    """Batches per rank per epoch of a one-bucket index (the last one may be partial)."""
     return -(-(num_samples // world) // batch_size)
 
 
+def rank_batches(
+    sample_bucket: np.ndarray, epoch: int, seed: int, rank: int, world: int, batch_size: int, tail: str = "drop"
+) -> list[np.ndarray]:
+    """The sample positions of each of this rank's batches in ``epoch`` (see the module docstring): with one
+    bucket, :func:`rank_order` cut into batches; with several, this rank's slices of
+    :func:`~sdforge.latents.bucket_batches.plan_epoch`'s global batches."""
+    sample_bucket = np.asarray(sample_bucket)
+    if sample_bucket.size == 0 or sample_bucket.max() == sample_bucket.min():
+        order = rank_order(sample_bucket.size, epoch, seed, rank, world)
+        n = batches_per_epoch(sample_bucket.size, world, batch_size)
+        return [order[b * batch_size : (b + 1) * batch_size] for b in range(n)]
+    plan = plan_epoch(sample_bucket, epoch, seed, world, batch_size, tail)
+    return [plan.rank_batch(i, rank, batch_size) for i in range(len(plan.batches))]
+
+
+def epochs_summary(
+    data: LatentIndexDataset, epochs: int, seed: int, world: int, batch_size: int, tail: str = "drop"
+) -> tuple[list[int], dict[str, int]]:
+    """Batches per rank in each epoch, and per bucket ``W x H`` the samples trained (all ranks, all epochs:
+    ``bucket.WxH.samples``) and left out (dropped tails, or the tails a carry leaves at an epoch's end:
+    ``bucket.WxH.left_out``)."""
+    names = [f"{w}x{h}" for w, h in data.buckets]
+    if len(data.buckets) == 1:
+        n = len(data)
+        per_epoch = batches_per_epoch(n, world, batch_size)
+        usable = n // world * world
+        return [per_epoch] * epochs, {
+            f"bucket.{names[0]}.samples": usable * epochs,
+            f"bucket.{names[0]}.left_out": (n - usable) * epochs,
+        }
+    lengths, counts = [], dict.fromkeys([f"bucket.{n}.{k}" for n in names for k in ("samples", "left_out")], 0)
+    for plan in plan_epochs(data.sample_bucket, epochs, seed, world, batch_size, tail):
+        lengths.append(len(plan.batches))
+        for key, value in plan.counts().items():
+            kind, bucket = key.split(".bucket")
+            counts[f"bucket.{names[int(bucket)]}.{kind}"] += value
+    return lengths, counts
+
+
 def iter_batches(
-    data: LatentIndexDataset, epoch: int, seed: int, rank: int, world: int, batch_size: int, start_batch: int = 0
+    data: LatentIndexDataset, batches: list[np.ndarray], start_batch: int = 0
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield ``(batch_index, latents fp32, input_ids)`` from ``start_batch`` to the epoch's end.
+    """Yield ``(batch_index, latents fp32, input_ids)`` for ``batches`` (:func:`rank_batches`) from
+    ``start_batch`` to the end.
 
     Batches before ``start_batch`` are never read. While batch ``b`` is gathered, the reads of the
     next :data:`PREFETCH_BATCHES` batches are already queued with the kernel.
     """
-    order = rank_order(len(data), epoch, seed, rank, world)
-    n_batches = batches_per_epoch(len(data), world, batch_size)
-    if start_batch < n_batches:
-        data.prefetch(order[start_batch * batch_size : (start_batch + PREFETCH_BATCHES) * batch_size])
-    for b in range(start_batch, n_batches):
-        ahead = b + PREFETCH_BATCHES
-        data.prefetch(order[ahead * batch_size : (ahead + 1) * batch_size])
-        latents, input_ids = data.gather(order[b * batch_size : (b + 1) * batch_size])
+    for b in range(start_batch, min(start_batch + PREFETCH_BATCHES, len(batches))):
+        data.prefetch(batches[b])
+    for b in range(start_batch, len(batches)):
+        if b + PREFETCH_BATCHES < len(batches):
+            data.prefetch(batches[b + PREFETCH_BATCHES])
+        latents, input_ids = data.gather(batches[b])
         yield b, latents, input_ids

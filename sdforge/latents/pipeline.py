@@ -6,14 +6,16 @@ the GIL, so threads overlap)::
     reader thread    streams each tar (sha256 on the fly; the next ``prefetch_shards`` tars are
                      read ahead or downloaded), groups members by key and submits one decode
                      job per 8 samples, in order, to
-    decode pool      ``decode_workers`` threads: imdecode, resize + centre crop, BGR→RGB
+    decode pool      ``decode_workers`` threads: imdecode, resize to cover the nearest bucket +
+                     centre crop (:mod:`sdforge.ingest.buckets`), BGR→RGB
     batcher thread   takes the jobs' results in submission order, tokenizes the captions
-                     (cached), stacks ``batch_size`` images into a uint8 tensor (pinned on CUDA)
-    caller's thread  uploads, encodes (bf16 autocast + channels_last on CUDA), keeps fp16 latents;
-                     yields one :class:`EncodedShard` per input tar
+                     (cached), stacks ``batch_size`` images of one bucket into a uint8 tensor
+                     (pinned on CUDA)
+    caller's thread  uploads, encodes (bf16 autocast + channels_last on CUDA), keeps fp16 latents
+                     per bucket; yields one :class:`EncodedShard` per input tar
 
-Batches never span two tars and results are consumed in submission order, so the output does
-not depend on the number of workers, nor on which tars an interrupted run had finished.
+Batches never span two tars nor two buckets, and results are consumed in submission order, so the
+output does not depend on the number of workers, nor on which tars an interrupted run had finished.
 The input side (tar stream, decoding, tokenizing) is :mod:`sdforge.latents.inputs`, the read-ahead
 and S3 downloads :mod:`sdforge.latents.prefetch`.
 """
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from model.latents import encode_latents, uint8_to_model_range
+from sdforge.ingest.buckets import Size
 from sdforge.latents.inputs import Decoded, HashingReader, TarInput, Tokens, decode_chunk, iter_tar_groups
 from sdforge.latents.prefetch import Prefetcher
 
@@ -43,7 +46,9 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.1
 _CHUNK = 8
 """Samples per decode job."""
-_ROW_FIELDS = ("key", "caption", "width", "height", "original_width", "original_height", "resized")
+_ROW_FIELDS = (
+    "key", "caption", "width", "height", "original_width", "original_height", "resized", "bucket", "resized_to", "crop"
+)
 """A row's fields taken from its :class:`~sdforge.latents.inputs.Decoded` sample (then ``truncated``)."""
 
 
@@ -52,7 +57,7 @@ class Options:
     """What the pipeline needs from ``Encode`` plus the resolved device and precision."""
 
     batch_size: int
-    resolution: int
+    buckets: tuple[Size, ...]
     wrong_size: str = "resize"
     decode_workers: int = 4
     prefetch_shards: int = 2
@@ -63,19 +68,32 @@ class Options:
 
 
 @dataclass
+class BucketLatents:
+    """One bucket's samples of one input tar: fp16 latents ``[N, C, h, w]``, int32 token ids, rows."""
+
+    latents: torch.Tensor
+    input_ids: torch.Tensor
+    rows: list[dict]
+
+
+@dataclass
 class EncodedShard:
-    """One input tar's output: fp16 latents (None if no sample survived), int32 token ids, rows, counts."""
+    """One input tar's output: per bucket (sorted), its latents, token ids and rows; the tar's counts."""
 
     tar: TarInput
     sha256: str
-    latents: torch.Tensor | None
-    input_ids: torch.Tensor | None
-    rows: list[dict]
+    buckets: dict[Size, BucketLatents]
     counts: Counter = field(default_factory=Counter)
+
+    @property
+    def rows(self) -> list[dict]:
+        """Every sample's row, bucket by bucket (sorted), in tar order within a bucket."""
+        return [row for part in self.buckets.values() for row in part.rows]
 
 
 @dataclass
 class _Batch:
+    bucket: Size
     images: torch.Tensor
     input_ids: torch.Tensor
     rows: list[dict]
@@ -152,22 +170,28 @@ def _encode_batches(
     feeder: _BatchFeeder, encoder: Callable[[torch.Tensor], torch.Tensor], stats: Counter
 ) -> Iterator[EncodedShard]:
     """The caller's thread: encode each batch, yield a tar's :class:`EncodedShard` at its end marker."""
-    latents, ids, rows = [], [], []
+    done: dict[Size, list[_Batch]] = {}
     while True:
         t0 = time.perf_counter()
         item = _get(feeder.batches, feeder.stop)
         t1 = time.perf_counter()
         stats["wait_seconds"] += t1 - t0
         if isinstance(item, _Batch):
-            latents.append(encoder(item.images))
-            ids.append(item.input_ids)
-            rows += item.rows
+            item.images = encoder(item.images)  # the batch now carries its latents
+            done.setdefault(item.bucket, []).append(item)
             stats["encode_seconds"] += time.perf_counter() - t1
             stats["images"] += len(item.rows)
             continue
-        shard_latents = torch.cat(latents).cpu() if latents else None
-        yield EncodedShard(item.tar, item.sha256, shard_latents, torch.cat(ids) if ids else None, rows, item.counts)
-        latents, ids, rows = [], [], []
+        parts = {
+            bucket: BucketLatents(
+                torch.cat([b.images for b in batches]).cpu(),
+                torch.cat([b.input_ids for b in batches]),
+                [row for b in batches for row in b.rows],
+            )
+            for bucket, batches in sorted(done.items())
+        }
+        yield EncodedShard(item.tar, item.sha256, parts, item.counts)
+        done = {}
         if item.tar is feeder.tars[-1]:
             return
 
@@ -227,40 +251,44 @@ class _BatchFeeder:
 
     def _submit(self, chunk: list) -> bool:
         """Queue a decode job for ``chunk``; False once stopped."""
-        job = self.pool.submit(decode_chunk, chunk, self.opts.resolution, self.opts.wrong_size)
+        job = self.pool.submit(decode_chunk, chunk, self.opts.buckets, self.opts.wrong_size)
         return _put(self.decoded, job, self.stop)
 
     def _batch(self) -> None:
-        """Batcher thread: decoded samples, in order, into batches that never span two tars."""
-        pending: list[Decoded] = []
+        """Batcher thread: decoded samples, in order, into batches that never span two tars nor two buckets."""
+        pending: dict[Size, list[Decoded]] = {}
         tally = Counter()  # the tar's per-sample counts (skipped, resized, captions), kept off the VAE's thread
         while True:
             item = _get(self.decoded, self.stop)
             if isinstance(item, _TarEnd):
                 if not self._end_tar(item, pending, tally) or item.tar is self.tars[-1]:
                     return
-                pending, tally = [], Counter()
+                pending, tally = {}, Counter()
             elif not self._add_samples(item.result(), pending, tally):
                 return
 
-    def _add_samples(self, samples: list[Decoded], pending: list[Decoded], tally: Counter) -> bool:
-        """Append decoded ``samples`` to ``pending``, putting each full batch; False once stopped."""
+    def _add_samples(self, samples: list[Decoded], pending: dict[Size, list[Decoded]], tally: Counter) -> bool:
+        """Append decoded ``samples`` to their bucket's ``pending`` list, put each full batch; False once stopped."""
         for sample in samples:
             if sample.image is None:
                 tally[f"skipped_{sample.problem}"] += 1
                 log.warning("sample %s skipped: %s", sample.key, sample.problem)
                 continue
-            pending.append(sample)
-            if len(pending) == self.opts.batch_size:
-                if not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
+            group = pending.setdefault(sample.bucket, [])
+            group.append(sample)
+            if len(group) == self.opts.batch_size:
+                if not _put(self.batches, _make_batch(group, self.tokens, self.device, tally), self.stop):
                     return False
-                pending.clear()  # _make_batch keeps no reference to the list
+                group.clear()  # _make_batch keeps no reference to the list
         return True
 
-    def _end_tar(self, end: _TarEnd, pending: list[Decoded], tally: Counter) -> bool:
-        """Put the tar's last, short batch and then its end marker (with the tar's counts); False once stopped."""
-        if pending and not _put(self.batches, _make_batch(pending, self.tokens, self.device, tally), self.stop):
-            return False
+    def _end_tar(self, end: _TarEnd, pending: dict[Size, list[Decoded]], tally: Counter) -> bool:
+        """Put the tar's last, short batch of each bucket, then its end marker (with the tar's counts); False once
+        stopped."""
+        for bucket in sorted(pending):
+            group = pending[bucket]
+            if group and not _put(self.batches, _make_batch(group, self.tokens, self.device, tally), self.stop):
+                return False
         end.counts.update(tally)
         return _put(self.batches, end, self.stop)
 
@@ -277,7 +305,7 @@ def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, co
     rows = [
         {**{f: getattr(s, f) for f in _ROW_FIELDS}, "truncated": t} for s, t in zip(samples, truncated, strict=True)
     ]
-    return _Batch(images, ids, rows)
+    return _Batch(samples[0].bucket, images, ids, rows)
 
 
 def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -287,7 +315,7 @@ def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor
     vae = vae.to(device).eval().requires_grad_(False)
     if channels_last:
         vae = vae.to(memory_format=torch.channels_last)
-    if opts.compile:
+    if opts.compile:  # one graph per bucket shape (a handful): dynamic shapes would cost more than the recompiles
         vae.encoder = torch.compile(vae.encoder, dynamic=False)
     # opts.bf16: the stage's choice (model.precision.uses_bf16_autocast: CUDA, or a CPU with native bf16)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opts.bf16 else contextlib.nullcontext()

@@ -1,14 +1,15 @@
 """The latent store's on-disk format: one safetensors file per shard, memory-mapped for reading.
 
-``${paths.latents}/<source>/``::
+``${paths.latents}/<source>/<resolution>/`` (one folder per bucket set, :class:`sdforge.config.BucketSet`)::
 
-    shard-NNNNN.safetensors   latents fp16 [N, C, h, w] (posterior mean × scaling factor),
-                              input_ids int32 [N, 77]
-    shard-NNNNN.parquet       that shard's manifest rows; its parquet metadata equals the
-                              safetensors ``__metadata__`` (written after it: a shard is complete
-                              when both exist and agree, see :func:`check_shard`)
-    manifest.parquet          one row per sample: key, caption, source, shard, row, ...
-                              (the parts concatenated, written last)
+    shard-NNNNN-WxH.safetensors  input tar NNNNN's samples of bucket W×H (pixels): latents fp16
+                                 [N, C, H/f, W/f] (posterior mean × scaling factor), input_ids int32 [N, 77]
+    shard-NNNNN.parquet          that tar's manifest rows (every bucket); its parquet metadata equals
+                                 each bucket file's ``__metadata__`` (written after them: a shard is
+                                 complete when all exist and agree, see :func:`check_shard`)
+    manifest.parquet             one row per sample: key, caption, source, shard, bucket_width,
+                                 bucket_height, row (in its bucket's file), crop box, ... (the parts
+                                 concatenated, written last)
 
 Shards are plain safetensors (any tool opens them). For reading, :func:`open_shard` parses the
 safetensors header itself and returns ``numpy.memmap`` views of the tensors, so opening a shard
@@ -38,14 +39,36 @@ SHARD_PATTERN = "shard-*.safetensors"
 _DTYPES = {"F16": np.float16, "F32": np.float32, "I32": np.int32, "I64": np.int64, "BF16": None}
 
 
-def shard_name(shard: int) -> str:
-    """File name of latent shard number ``shard``."""
-    return f"shard-{shard:05d}.safetensors"
+def shard_name(shard: int, bucket: tuple[int, int]) -> str:
+    """File name of input tar ``shard``'s latents of ``bucket`` = (width, height) in pixels."""
+    return f"shard-{shard:05d}-{bucket[0]}x{bucket[1]}.safetensors"
 
 
-def shard_path(latents_dir: Path, source: str, shard: int) -> Path:
-    """Path of ``source``'s latent shard ``shard`` under the store root ``latents_dir``."""
-    return Path(latents_dir) / source / shard_name(shard)
+def shard_number(name: str) -> int | None:
+    """The input tar number in a store file name (``shard-NNNNN-WxH.safetensors``, ``shard-NNNNN.parquet``)."""
+    number = name.split(".")[0].removeprefix("shard-").split("-")[0]
+    return int(number) if number.isdigit() else None
+
+
+def resolution_dir(latents_dir: Path, source: str, resolution: str) -> Path:
+    """The folder of ``source``'s latents at bucket set ``resolution`` under the store root ``latents_dir``."""
+    return Path(latents_dir) / source / resolution
+
+
+def shard_path(latents_dir: Path, source: str, resolution: str, shard: int, bucket: tuple[int, int]) -> Path:
+    """Path of ``source``'s latents of input tar ``shard`` and ``bucket`` at ``resolution``."""
+    return resolution_dir(latents_dir, source, resolution) / shard_name(shard, bucket)
+
+
+def part_buckets(table: pa.Table) -> dict[tuple[int, int], int]:
+    """Bucket (width, height) → its row count in a manifest part, sorted by bucket."""
+    if table.num_rows == 0:
+        return {}
+    pairs = zip(table.column("bucket_width").to_pylist(), table.column("bucket_height").to_pylist(), strict=True)
+    counts: dict[tuple[int, int], int] = {}
+    for pair in pairs:
+        counts[pair] = counts.get(pair, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def write_shard(path: Path, latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str] | None = None):
@@ -168,31 +191,53 @@ def check_shard(directory: Path, shard: int) -> tuple[pa.Table, dict[str, str]]:
     """Verify that shard ``shard`` under ``directory`` is complete; return its part's rows and metadata.
 
     Complete means: the part ``shard-NNNNN.parquet`` exists, its ``samples`` metadata equals its row
-    count, its ``shard``/``row`` columns are ``shard`` and ``0..n-1``; the safetensors file opens
-    (not truncated) with ``n`` latent and token rows and carries the same metadata as the part (both
-    written by one run). A part with ``samples == 0`` has no safetensors file. Raises
-    :class:`InputError` naming the first disagreement.
+    count, its ``shard`` column is ``shard`` and each bucket's ``row`` values are ``0..n_b-1`` in order;
+    exactly the part's buckets have a safetensors file, each opens (not truncated) with ``n_b`` latent
+    and token rows of that bucket's shape and carries the same metadata as the part (all written by one
+    run). Raises :class:`InputError` naming the first disagreement.
     """
     directory = Path(directory)
-    part, sf = directory / part_name(shard), directory / shard_name(shard)
+    part = directory / part_name(shard)
     if not part.is_file():
         raise InputError(f"{part}: manifest part missing")
     table, meta = read_part(part)
     n = table.num_rows
     if meta.get("samples") != str(n):
         raise InputError(f"{part}: {n} rows but its metadata says samples={meta.get('samples')!r}")
-    if n and (table.column("shard").to_pylist() != [shard] * n or table.column("row").to_pylist() != list(range(n))):
-        raise InputError(f"{part}: shard/row columns are not {shard} and 0..{n - 1}")
-    if n == 0:
-        if sf.exists():
-            raise InputError(f"{sf}: exists but its manifest part has no rows")
-        return table, meta
+    if n and table.column("shard").to_pylist() != [shard] * n:
+        raise InputError(f"{part}: shard column is not {shard}")
+    buckets = part_buckets(table)
+    _check_rows(part, table, buckets)
+    files = {p.name for p in directory.glob(f"shard-{shard:05d}-*.safetensors")}
+    extra = sorted(files - {shard_name(shard, b) for b in buckets})
+    if extra:
+        raise InputError(f"{directory / extra[0]}: exists but its manifest part has no rows of that bucket")
+    for bucket, count in buckets.items():
+        _check_bucket_file(directory / shard_name(shard, bucket), part.name, bucket, count, meta)
+    return table, meta
+
+
+def _check_rows(part: Path, table: pa.Table, buckets: dict[tuple[int, int], int]) -> None:
+    """Each bucket's ``row`` values in ``table`` are ``0..n_b-1`` in order."""
+    if not buckets:
+        return
+    keys = np.array(table.column("bucket_width").to_pylist()) * 1_000_000 + np.array(
+        table.column("bucket_height").to_pylist()
+    )
+    rows = np.array(table.column("row").to_pylist())
+    for bucket in buckets:
+        got = rows[keys == bucket[0] * 1_000_000 + bucket[1]]
+        if not np.array_equal(got, np.arange(got.size)):
+            raise InputError(f"{part}: the rows of bucket {bucket[0]}x{bucket[1]} are not 0..{got.size - 1}")
+
+
+def _check_bucket_file(sf: Path, part_name_: str, bucket: tuple[int, int], count: int, meta: dict[str, str]) -> None:
+    """One bucket file of a shard: present, ``count`` rows, the part's metadata."""
     if not sf.is_file():
-        raise InputError(f"{sf}: missing (its manifest part has {n} rows)")
+        raise InputError(f"{sf}: missing (its manifest part has {count} rows of bucket {bucket[0]}x{bucket[1]})")
     arrays = open_shard(sf)
-    if len(arrays) != n:
-        raise InputError(f"{sf}: {len(arrays)} rows but its manifest part has {n}")
+    if len(arrays) != count:
+        raise InputError(f"{sf}: {len(arrays)} rows but its manifest part has {count}")
     differ = sorted(k for k in set(meta) | set(arrays.metadata) if meta.get(k) != arrays.metadata.get(k))
     if differ:
-        raise InputError(f"{sf}: metadata disagrees with {part.name} on {differ}")
-    return table, meta
+        raise InputError(f"{sf}: metadata disagrees with {part_name_} on {differ}")

@@ -22,7 +22,7 @@ from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denois
 from model.precision import uses_bf16_autocast
 from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Params, Phase, Train
-from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches
+from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
 from sdforge.training.checkpoints import (
     STATE,
     CheckpointError,
@@ -51,7 +51,8 @@ class Trainer:
         _allow_tf32(dist.device, self.cfg.tf32)
         if self.cfg.deterministic:
             use_deterministic_kernels()
-        self.data = LatentIndexDataset(Path(paths.mixes) / f"{phase_name}.parquet", Path(paths.latents))
+        index = Path(paths.mixes) / f"{phase_name}.parquet"
+        self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
         self._load_conditioning(models)
         self.unet = _load_phase_unet(params, self.phase, dist.device)
         self.model = _wrap_ddp(self.unet, dist)
@@ -75,9 +76,18 @@ class Trainer:
         """The optimizer, the step counts of this phase and its LR schedule."""
         phase, world = self.phase, self.dist.world
         self.optimizer = _adamw(self.unet.parameters(), phase.lr, self.cfg, self.dist.device)
-        self.batches_per_epoch = batches_per_epoch(len(self.data), world, phase.batch_size)
-        self.total_steps = optimizer_steps(len(self.data) // world, phase.batch_size, phase.grad_accum, phase.epochs)
+        self.epoch_lengths, self.bucket_counts = epochs_summary(
+            self.data, phase.epochs, self.cfg.seed, world, phase.batch_size, self.cfg.bucket_tail
+        )
+        self.total_steps = sum(optimizer_steps(n, 1, phase.grad_accum, 1) for n in self.epoch_lengths)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps)
+
+    def epoch_batches(self, epoch: int) -> list:
+        """This rank's batches (sample positions) of ``epoch``: :func:`sdforge.latents.loader.rank_batches`."""
+        phase, dist = self.phase, self.dist
+        return rank_batches(
+            self.data.sample_bucket, epoch, self.cfg.seed, dist.rank, dist.world, phase.batch_size, self.cfg.bucket_tail
+        )
 
     # -- checkpoint state ------------------------------------------------------------------
     def state(self) -> dict:
@@ -295,15 +305,14 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
         group_loss, in_group = 0.0, 0
         t_ready = group_t0 = time.perf_counter()
         data_wait, group_samples = 0.0, 0
-        for b, latents, ids in iter_batches(
-            tr.data, p.epoch, cfg.seed, tr.dist.rank, tr.dist.world, phase.batch_size, start_batch=p.batch
-        ):
+        batches = tr.epoch_batches(p.epoch)
+        for b, latents, ids in iter_batches(tr.data, batches, start_batch=p.batch):
             if in_group == 0:
                 group_t0, data_wait, group_samples = t_ready, 0.0, 0
             data_wait += time.perf_counter() - t_ready
             group_samples += latents.shape[0]
             group_start = (b // accum) * accum
-            group_size = min(accum, tr.batches_per_epoch - group_start)
+            group_size = min(accum, len(batches) - group_start)
             last_in_group = b == group_start + group_size - 1
             group_loss += tr.micro_step(latents, ids, 1.0 / group_size, sync=last_in_group)
             in_group += 1
@@ -325,7 +334,7 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
                     "samples": group_samples,
                 }
                 on_step(p.step, stats)
-            if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < tr.batches_per_epoch:
+            if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < len(batches):
                 saver.save(losses)
             _kill_point(p.step)
             t_ready = time.perf_counter()

@@ -20,13 +20,13 @@ def test_seed_params_redirects_outputs_and_applies_overrides(tmp_path):
     assert Path(paths["runs"]) == tmp_path / "runs"
     assert Path(paths["latents"]) == REPO_PARAMS.parent / "data" / "latents"
     assert params.train.seed == 2 and params.train.validation_every == 0 and not params.tracking.enabled
-    assert list(params.phases) == ["phase1", "phase2"] and params.phases["phase1"].lr == 1e-3
+    assert list(params.phases) == ["phase0", "phase1"] and params.phases["phase1"].lr == 1e-3
     assert (tmp_path / "params.yaml").is_file()
 
 
-def test_quick_keeps_one_epoch_of_phase_1(tmp_path):
+def test_quick_keeps_one_epoch_of_the_first_phase(tmp_path):
     params = seed_params(REPO_PARAMS, tmp_path, seed=0, quick=True)
-    assert list(params.phases) == ["phase1"] and params.phases["phase1"].epochs == 1
+    assert list(params.phases) == ["phase0"] and params.phases["phase0"].epochs == 1
 
 
 def test_an_override_of_a_missing_section_is_an_error(tmp_path):

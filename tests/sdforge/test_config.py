@@ -1,11 +1,13 @@
 """params.yaml validation: errors name the key path and what was expected."""
 
 import copy
+import re
 
 import pytest
 import yaml
 
 from sdforge.config import ConfigError, FetchSettings, load_params, parse_params
+from sdforge.ingest.buckets import shapes_of
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +24,48 @@ def _broken(demo_dict, mutate):
     return str(err.value)
 
 
-def test_demo_params_load_with_seven_phases():
+def test_demo_params_load_with_phase0_and_seven_phases():
     p = load_params("params.yaml")
-    assert p.phase_names() == [f"phase{i}" for i in range(1, 8)]
+    assert p.phase_names() == [f"phase{i}" for i in range(0, 8)]
     assert set(p.sources) == {"laion", "diffusiondb"}
-    assert p.phases["phase1"].init_from == "scratch"
+    assert p.phases["phase0"].init_from == "scratch" and p.phases["phase1"].init_from == "phase0"
     assert p.phases["phase7"].init_from == "phase6"
+    assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 7
+    assert {k: shapes_of(v) for k, v in p.bucket_sets().items()} == {
+        "px24": [(20, 28), (24, 24), (28, 20), (32, 16)],
+        "px32": [(24, 40), (32, 32), (40, 24)],
+    }
+
+
+def test_without_buckets_one_square_set_of_the_encode_resolution(demo_dict):
+    d = copy.deepcopy(demo_dict)
+    d.pop("buckets")
+    d["encode"].pop("resolutions")
+    d["encode"]["resolution"] = 32
+    for phase in d["phases"].values():
+        phase.pop("resolution")
+    p = parse_params(d)
+    assert p.encoded_resolutions() == ["square"] and p.phase_resolution("phase3") == "square"
+    assert shapes_of(p.bucket_sets()["square"]) == [(32, 32)]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["phases"]["phase2"].pop("resolution"), "phases.phase2.resolution: required when several"),
+        (lambda d: d["phases"]["phase2"].update(resolution="px99"), "'px99' is not encoded"),
+        (lambda d: d["encode"].update(resolutions=["px24", "px48"]), r"encode.resolutions: \['px48'\] not defined"),
+        (
+            lambda d: d["buckets"].update(px24={"sizes": [[24, 30]], "step": 8}),
+            r"sizes \[\(24, 30\)\] are not multiples",
+        ),
+        (lambda d: d["buckets"].update(px24={"max_area": 40, "step": 8}), "max_area 40 holds no 8×8 bucket"),
+        (lambda d: d["buckets"].update(px24={"max_area": 576, "sizes": [[24, 24]]}), "either sizes .* or max_area"),
+        (lambda d: d["train"].update(bucket_tail="keep"), "train.bucket_tail"),
+    ],
+)
+def test_bucket_settings_are_validated(demo_dict, mutate, message):
+    assert re.search(message, _broken(demo_dict, mutate))
 
 
 def test_unknown_key_is_named(demo_dict):

@@ -35,6 +35,7 @@ from tests.fixtures.demo_data import tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 RES = 16  # VAE [8, 16] halves it: latents [4, 8, 8]
+SQ = (RES, RES)  # the square-only bucket these tests encode at
 WORDS = ["a", "red", "green", "blue", "circle", "square", "on", "white", "black", "background"]
 
 
@@ -96,8 +97,10 @@ def test_bf16_on_a_cpu_with_native_bf16_stays_close_to_fp32(models, tmp_path, mo
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     m32 = encode_latents.run(cfg(mixed_precision="bf16"), "laion", tmp_path / "shards", models, tmp_path / "fp32")
     assert (m["precision"], m32["precision"]) == ("bf16", "fp32")
-    low, full = (torch.from_numpy(np.array(store.open_shard(d / store.shard_name(0)).latents)).float()
-                 for d in (tmp_path / "bf16", tmp_path / "fp32"))
+    low, full = (
+        torch.from_numpy(np.array(store.open_shard(d / store.shard_name(0, SQ)).latents)).float()
+        for d in (tmp_path / "bf16", tmp_path / "fp32")
+    )
     assert not torch.equal(low, full)  # bf16 really ran
     torch.testing.assert_close(low, full, atol=0.05 * float(full.abs().max()), rtol=0.05)
 
@@ -126,7 +129,7 @@ def test_latents_equal_a_direct_vae_encode(models, tmp_path):
         ]
         with torch.no_grad():
             direct = vae.encode(images_to_tensor(images)).latent_dist.mean * vae.config.scaling_factor
-        arrays = store.open_shard(tmp_path / "out" / store.shard_name(shard))
+        arrays = store.open_shard(tmp_path / "out" / store.shard_name(shard, SQ))
         stored = torch.from_numpy(np.array(arrays.latents))
         assert stored.dtype == torch.float16
         torch.testing.assert_close(stored.float(), direct.half().float(), atol=1e-3, rtol=1e-3)
@@ -164,7 +167,7 @@ def test_bad_samples_are_counted_never_a_crash(models, tmp_path):
     assert manifest.height == m["samples"] and manifest.filter(pl.col("shard") == 0).height == 5
     k3 = manifest.filter(pl.col("key") == "k3").row(0, named=True)
     assert (k3["width"], k3["height"], k3["resized"]) == (20, 24, True)
-    assert store.open_shard(tmp_path / "out" / store.shard_name(0)).latents.shape == (5, 4, RES // 2, RES // 2)
+    assert store.open_shard(tmp_path / "out" / store.shard_name(0, SQ)).latents.shape == (5, 4, RES // 2, RES // 2)
 
     skip = encode_latents.run(cfg(wrong_size="skip"), "laion", shards, models, tmp_path / "skip")
     assert skip["skipped_wrong_size"] == 1 and skip["resized"] == 0 and skip["samples"] == m["samples"] - 1
@@ -234,6 +237,9 @@ def _workspace(root: Path, models: Path, shards: Path) -> Path:
     data["paths"].update(models=str(models), shards=str(shards.parent))
     data["tracking"]["mlflow_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     data["encode"] = cfg().model_dump()
+    data.pop("buckets")  # the implicit square-only set "square" of encode.resolution
+    for phase in data["phases"].values():
+        phase.pop("resolution", None)
     path = root / "params.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -261,7 +267,7 @@ def _complete(out: Path) -> set[int]:
 def test_sigkill_then_rerun_encodes_only_the_missing_shards(models, encoded, tmp_path, monkeypatch):
     shards, reference = encoded  # the same input files (same mtimes) as the reference run's
     params = _workspace(tmp_path, models, shards)
-    out = tmp_path / "latents" / "laion"
+    out = tmp_path / "latents" / "laion" / "square"  # the implicit square-only bucket set
     proc = _cli(params)
     deadline = time.monotonic() + 120
     while proc.poll() is None and not list(out.glob(store.PART_PATTERN)) and time.monotonic() < deadline:
@@ -281,7 +287,7 @@ def test_sigkill_then_rerun_encodes_only_the_missing_shards(models, encoded, tmp
     assert metrics["shards_reused"] == len(done) and metrics["shards_encoded"] == 6 - len(done)
     after = stamps(out)
     for shard in done:
-        for name in (store.shard_name(shard), store.part_name(shard)):
+        for name in (store.shard_name(shard, SQ), store.part_name(shard)):
             assert after[name] == before[name], f"{name} was rewritten"
     assert digest(out) == reference  # every shard, part and the manifest: as an uninterrupted run
 
@@ -290,19 +296,19 @@ def test_disagreeing_shards_are_detected_and_redone(models, encoded, tmp_path):
     shards, reference = encoded
     out = tmp_path / "out"
     shutil.copytree(shards.parents[1] / "out", out)
-    sf1 = out / store.shard_name(1)
+    sf1 = out / store.shard_name(1, SQ)
     sf1.write_bytes(sf1.read_bytes()[:-100])  # truncated array
     table, meta = store.read_part(out / store.part_name(2))
     store.write_part(out / store.part_name(2), table.slice(0, table.num_rows - 3), meta)  # rows deleted
     (out / store.part_name(3)).unlink()  # killed between the safetensors and its part
-    other = store.open_shard(out / store.shard_name(5)).metadata
-    sf4 = out / store.shard_name(4)
+    other = store.open_shard(out / store.shard_name(5, SQ)).metadata
+    sf4 = out / store.shard_name(4, SQ)
     arrays = store.open_shard(sf4)
     store.write_shard(
         sf4, torch.from_numpy(np.array(arrays.latents)), torch.from_numpy(np.array(arrays.input_ids)), other
     )
     (out / ".shard-00000.safetensors.abc.tmp").write_bytes(b"left by a kill")
-    (out / store.shard_name(9)).write_bytes(b"no input tar 00009.tar")
+    (out / store.shard_name(9, SQ)).write_bytes(b"no input tar 00009.tar")
     before = stamps(out)
     for shard, why in [(1, "truncated"), (2, "rows but its metadata"), (3, "manifest part missing"), (4, "disagrees")]:
         with pytest.raises(ValueError, match=why):
@@ -311,7 +317,7 @@ def test_disagreeing_shards_are_detected_and_redone(models, encoded, tmp_path):
     m = encode_latents.run(cfg(), "laion", shards, models, out)
     assert (m["shards_reused"], m["shards_encoded"]) == (2, 4)
     after = stamps(out)
-    assert all(after[store.shard_name(s)] == before[store.shard_name(s)] for s in (0, 5))
+    assert all(after[store.shard_name(s, SQ)] == before[store.shard_name(s, SQ)] for s in (0, 5))
     assert digest(out) == reference
 
 
@@ -326,7 +332,7 @@ def test_changed_inputs_or_encoder_are_redone(models, encoded, tmp_path):
     (shards / "00005.tar").unlink()  # input gone: its shard is removed
     m = encode_latents.run(cfg(), "laion", shards, models, out)
     assert (m["shards"], m["shards_reused"], m["shards_encoded"], m["samples"]) == (5, 4, 1, 4 * 24 + 5)
-    assert not (out / store.shard_name(5)).exists() and not (out / store.part_name(5)).exists()
+    assert not (out / store.shard_name(5, SQ)).exists() and not (out / store.part_name(5)).exists()
 
     models2 = tmp_path / "models"
     shutil.copytree(models, models2)
@@ -366,8 +372,8 @@ def test_s3_input_equals_local_input(models, encoded, tmp_path, monkeypatch):
     assert m["shards"] == 6 and m["shards_encoded"] == 6
     assert (tmp_path / "out" / store.MANIFEST).read_bytes() == (root / "out" / store.MANIFEST).read_bytes()
     for shard in range(6):
-        a = store.open_shard(tmp_path / "out" / store.shard_name(shard))
-        b = store.open_shard(root / "out" / store.shard_name(shard))
+        a = store.open_shard(tmp_path / "out" / store.shard_name(shard, SQ))
+        b = store.open_shard(root / "out" / store.shard_name(shard, SQ))
         assert np.array_equal(a.latents, b.latents) and np.array_equal(a.input_ids, b.input_ids)
         assert a.metadata["input_sha256"] == b.metadata["input_sha256"]
 
@@ -395,7 +401,7 @@ def test_a_failing_vae_setup_stops_the_input_threads(tmp_path):
     before = set(threading.enumerate())
     tokenizer = CLIPTokenizer.from_pretrained(tokenizer_only_models(tmp_path) / "tokenizer")
     with pytest.raises(RuntimeError, match="cuda:7"):
-        list(encode_shards(tars, BrokenVae(), tokenizer, Options(batch_size=4, resolution=RES, decode_workers=2)))
+        list(encode_shards(tars, BrokenVae(), tokenizer, Options(batch_size=4, buckets=(SQ,), decode_workers=2)))
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert left == []
 
@@ -404,3 +410,90 @@ def tokenizer_only_models(tmp_path: Path) -> Path:
     root = tmp_path / "models"
     write_demo_tokenizer(WORDS, root / "tokenizer", 77)
     return root
+
+
+# ------------------------------------------------------------------------------------------ buckets
+
+WIDE, TALL = (24, 16), (16, 24)  # buckets of the mixed-aspect tests (multiples of 8 px: 4 latent px at f = 2)
+BUCKETS = [TALL, SQ, WIDE]
+
+
+def mixed_tars(folder: Path) -> None:
+    """Tar 0: square images only; tar 1: landscape 30×20 and portrait 20×30 and square ones."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(4)
+    square = [sample(f"0{i:03d}", rng) for i in range(5)]
+    sizes = [(30, 20), (20, 30), (RES, RES), (30, 20), (36, 20), (20, 30), (30, 20)]  # (w, h)
+    mixed = [sample(f"1{i:03d}", rng, jpg=jpeg(rng, h, w)) for i, (w, h) in enumerate(sizes)]
+    (folder / "00000.tar").write_bytes(tar_bytes(square))
+    (folder / "00001.tar").write_bytes(tar_bytes(mixed))
+
+
+def test_each_bucket_gets_shards_of_one_shape_and_the_manifest_records_the_crop(models, tmp_path):
+    from sdforge.ingest.buckets import plan
+    from sdforge.latents.inputs import cover_crop
+
+    mixed_tars(tmp_path / "shards")
+    m = encode_latents.run(cfg(), "laion", tmp_path / "shards", models, tmp_path / "out", BUCKETS)
+    assert m["buckets"] == {"16x24": 2, "16x16": 6, "24x16": 4} and m["samples"] == 12
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert files == [
+        "shard-00000-16x16.safetensors",
+        "shard-00001-16x16.safetensors",
+        "shard-00001-16x24.safetensors",
+        "shard-00001-24x16.safetensors",
+    ]
+    for name, (n, shape) in {"00001-24x16": (4, (4, 8, 12)), "00001-16x24": (2, (4, 12, 8))}.items():
+        assert store.open_shard(tmp_path / "out" / f"shard-{name}.safetensors").latents.shape == (n, *shape)
+    manifest = pl.read_parquet(tmp_path / "out" / store.MANIFEST)
+    for row in manifest.iter_rows(named=True):
+        p = plan(row["width"], row["height"], BUCKETS)
+        assert (row["bucket_width"], row["bucket_height"]) == p.bucket
+        assert (row["resized_width"], row["resized_height"]) == p.resized
+        assert (row["crop_left"], row["crop_top"], row["crop_right"], row["crop_bottom"]) == p.box
+    wide = manifest.filter(pl.col("key") == "1004").row(0, named=True)  # 36×20 → 24×16: resized 29×16, 2 px cut left
+    assert (wide["resized_width"], wide["crop_left"], wide["crop_right"]) == (29, 2, 26)
+    # the latents of a landscape sample are the VAE's encoding of its cover-and-crop image
+    from sdforge.latents.inputs import decode_sample
+
+    tar1 = (tmp_path / "shards" / "00001.tar").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(tar1)) as tf:
+        jpg = tf.extractfile("1004.jpg").read()
+    img = decode_sample("1004", {"jpg": jpg}, BUCKETS).image
+    raw = cv2.imdecode(np.frombuffer(jpg, np.uint8), cv2.IMREAD_COLOR)[:, :, ::-1]
+    assert np.array_equal(img, cover_crop(np.ascontiguousarray(raw), plan(36, 20, BUCKETS)))
+
+
+def test_a_bucket_set_change_re_encodes_only_the_tars_it_moves_a_sample_of(models, tmp_path):
+    mixed_tars(tmp_path / "shards")
+    out = tmp_path / "out"
+    encode_latents.run(cfg(), "laion", tmp_path / "shards", models, out, BUCKETS)
+    before = stamps(out)
+    again = encode_latents.run(cfg(), "laion", tmp_path / "shards", models, out, BUCKETS)
+    assert (again["shards_reused"], again["shards_encoded"]) == (2, 0)
+    wider = [TALL, SQ, (32, 16)]  # the landscape bucket changes: tar 1 moves, tar 0 (square only) does not
+    m = encode_latents.run(cfg(), "laion", tmp_path / "shards", models, out, wider)
+    assert (m["shards_reused"], m["shards_encoded"]) == (1, 1) and m["buckets"] == {"16x24": 2, "16x16": 6, "32x16": 4}
+    after = stamps(out)
+    assert after["shard-00000-16x16.safetensors"] == before["shard-00000-16x16.safetensors"]
+    assert after["shard-00000.parquet"] == before["shard-00000.parquet"]
+    assert "shard-00001-24x16.safetensors" not in after and "shard-00001-32x16.safetensors" in after
+    fresh = encode_latents.run(cfg(), "laion", tmp_path / "shards", models, tmp_path / "fresh", wider)
+    assert fresh["samples"] == m["samples"] and digest(out) == digest(tmp_path / "fresh")
+
+
+def test_run_resolutions_keeps_one_folder_per_bucket_set(models, tmp_path, monkeypatch):
+    from sdforge.config import parse_params
+    from tests.fixtures.training import tiny_params
+
+    mixed_tars(tmp_path / "shards" / "laion")
+    data = tiny_params(tmp_path)
+    data["paths"].update(shards=str(tmp_path / "shards"), models=str(models), latents=str(tmp_path / "latents"))
+    data["buckets"] = {"lo": {"sizes": [[8, 8]], "step": 8}, "hi": {"sizes": [list(b) for b in BUCKETS], "step": 8}}
+    data["encode"] = {**cfg().model_dump(), "resolutions": ["lo", "hi"]}
+    data["phases"]["phase1"]["resolution"] = data["phases"]["phase2"]["resolution"] = "hi"
+    m = encode_latents.run_resolutions(parse_params(data), "laion")
+    assert m["lo.samples"] == m["hi.samples"] == 12 and m["lo.buckets"] == {"8x8": 12}
+    assert m["shards_encoded"] == 4 and m["resolution"] == "lo"
+    assert sorted(p.name for p in (tmp_path / "latents" / "laion").iterdir()) == ["hi", "lo"]
+    assert store.open_shard(tmp_path / "latents/laion/lo/shard-00001-8x8.safetensors").latents.shape == (7, 4, 4, 4)

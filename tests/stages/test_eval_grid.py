@@ -9,10 +9,12 @@ import logging
 import numpy as np
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 
 from sdforge.config import Eval, load_params
 from sdforge.eval import grid
 from sdforge.eval.sampling import generate, load_pipeline
+from sdforge.io import InputError
 from stages import eval_grid
 from tests.fixtures.eval_workspace import REPO, make_workspace, write_params
 
@@ -27,6 +29,8 @@ CFG = Eval(
     columns=2,
     batch_size=4,
 )
+EXTRA = CFG.model_copy(update={"extra_sizes": [(12, 20), (20, 12)], "extra_prompts": 2})
+"""The tiny model's pixel multiple is 4 (VAE ×2, one UNet downsample): a portrait and a landscape size."""
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,14 @@ def grid_run(workspace, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "phase1"
     demo = load_params(REPO / "params.yaml").demo
     return eval_grid.run(CFG, demo, models, ckpt, out), out
+
+
+@pytest.fixture(scope="module")
+def extra_run(workspace, tmp_path_factory):
+    models, ckpt = workspace
+    out = tmp_path_factory.mktemp("eval") / "phase1"
+    demo = load_params(REPO / "params.yaml").demo
+    return eval_grid.run(EXTRA, demo, models, ckpt, out), out
 
 
 def _png(path) -> np.ndarray:
@@ -114,6 +126,9 @@ def test_stage_succeeds_without_weights_and_logs_strips(workspace, tmp_path, mon
     assert "eval.fid.inception_path is null: fid skipped" in caplog.text
     metrics = json.loads((tmp_path / "metrics/eval_grid/phase1.json").read_text())
     assert metrics["clip_score"] is None and metrics["images"] == 2
+    # params.yaml's extra sizes: the first category's one prompt at 24×40 and 40×24, probed apart
+    assert metrics["extra_images"] == 2 and {"colour_agreement_24x40", "shape_agreement_40x24"} <= set(metrics)
+    assert Image.open(tmp_path / "eval/phase1/images/00_24x40.png").size == (24, 40)
     client = mlflow.MlflowClient(tracking_uri=uri)
     run = client.search_runs(
         [client.get_experiment_by_name("sdforge").experiment_id], "attributes.run_name = 'eval_grid'"
@@ -134,6 +149,7 @@ def test_full_config_categories_and_reference_run_settings():
         "forest": (100, 7.5), "city": (100, 7.5), "portrait": (100, 8.5), "full_body": (100, 8.5),
     }  # fmt: skip
     assert cfg.clip_model_path is None and cfg.fid.inception_path is None
+    assert cfg.extra_sizes == [(384, 640), (640, 384)] and all(side % 64 == 0 for s in cfg.extra_sizes for side in s)
 
 
 def test_probe_without_a_demo_vocabulary_reports_no_agreement():
@@ -144,3 +160,88 @@ def test_probe_without_a_demo_vocabulary_reports_no_agreement():
     result = grid.probe_agreement(images, ["a misty pine forest", "a red sports car"], demo)
     assert result["probe_prompts"] == 0 and result["per_prompt"] == []
     assert result["colour_agreement"] is None and result["colour_chance"] is None and result["shape_chance"] is None
+
+
+def test_extra_sizes_are_sampled_saved_and_the_square_cells_unchanged(workspace, grid_run, extra_run):
+    models, ckpt = workspace
+    (square_metrics, square_out), (metrics, out) = grid_run, extra_run
+    names = sorted(p.name for p in (out / "images").iterdir())
+    assert names == ["00.png", "00_12x20.png", "00_20x12.png", "01.png", "01_12x20.png", "01_20x12.png", "02.png"]
+    for name in ("00.png", "01.png", "02.png"):  # same samples as without extra sizes
+        assert np.array_equal(_png(out / "images" / name), _png(square_out / "images" / name))
+    assert _png(out / "images/00_12x20.png").shape == (20, 12, 3)
+    assert _png(out / "images/01_20x12.png").shape == (12, 20, 3)
+    ema = load_pipeline(models, ckpt, use_ema=True, device="cpu")
+    want = generate(ema, SHAPES[1:], steps=3, guidance_scale=3.0, seeds=[1235], width=12, height=20)[0]
+    assert np.array_equal(_png(out / "images/01_12x20.png"), want)  # prompt 1 of "shapes": seed 1235, its settings
+    assert metrics["images"] == 3 and metrics["extra_images"] == 4 and square_metrics["extra_images"] == 0
+    for key in ("colour_agreement", "shape_agreement", "probe_truth_images", "probe_truth_colour"):
+        assert metrics[key] == square_metrics[key]  # the square figures are the square cells' alone
+
+
+def test_grid_has_a_row_per_extra_size_below_the_square_cells(extra_run):
+    _, out = extra_run
+    # one scale for all, 8 (16 px square → CELL): 12×20 → 96×160, 20×12 → 160×96; every cell 160×160;
+    # 3 square cells in 2 columns (2 rows) + 2 prompts per extra size (1 row each)
+    side, caption = 160, grid.CAPTION_H
+    grid_png = _png(out / "grid.png")
+    assert grid_png.shape == (4 * (side + caption), 2 * side, 3)
+    top = 2 * (side + caption)  # the 12×20 row: centred, grey either side
+    portrait = np.asarray(Image.fromarray(_png(out / "images/00_12x20.png")).resize((96, 160), Image.NEAREST))
+    assert np.array_equal(grid_png[top : top + side, 32:128], portrait)
+    assert (grid_png[top : top + side, :32] == grid.PAD_COLOUR).all()
+    assert (grid_png[top : top + side, 128:160] == grid.PAD_COLOUR).all()
+    top += side + caption  # the 20×12 row: grey above and below
+    landscape = np.asarray(Image.fromarray(_png(out / "images/01_20x12.png")).resize((160, 96), Image.NEAREST))
+    assert np.array_equal(grid_png[top + 32 : top + 128, side:], landscape)
+    assert (grid_png[top : top + 32, side:] == grid.PAD_COLOUR).all()
+    square = np.asarray(Image.fromarray(_png(out / "images/00.png")).resize((128, 128), Image.NEAREST))
+    assert np.array_equal(grid_png[16:144, 16:144], square)  # square cells: 128 px, centred in 160
+
+
+def test_extra_sizes_are_probed_apart(extra_run):
+    metrics, out = extra_run
+    probe_json = json.loads((out / "probe.json").read_text())
+    for name in ("12x20", "20x12"):
+        assert metrics[f"colour_agreement_{name}"] in (0.0, 0.5, 1.0)  # 2 demo prompts each
+        assert metrics[f"shape_agreement_{name}"] in (0.0, 0.5, 1.0)
+        assert metrics[f"probe_truth_colour_{name}"] == 1.0 and metrics[f"probe_truth_shape_{name}"] == 1.0
+        assert [r["prompt"] for r in probe_json["extra_per_prompt"][name]] == SHAPES
+    assert "extra_per_prompt" not in metrics
+
+
+def test_extra_sizes_without_demo_prompts_report_none():
+    demo = load_params(REPO / "params.yaml").demo
+    extra = {(12, 20): [np.zeros((20, 12, 3), np.uint8)]}
+    got = grid.probe_extra_sizes(extra, CATS, demo)
+    assert got["colour_agreement_12x20"] is None and got["shape_agreement_12x20"] is None
+    assert got["probe_truth_colour_12x20"] is None
+
+
+def test_bad_extra_size_is_one_clear_error_before_sampling(workspace, tmp_path, monkeypatch):
+    models, ckpt = workspace
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("sampled before the sizes were checked")
+
+    monkeypatch.setattr(grid, "generate", no_sampling)
+    cfg = CFG.model_copy(update={"extra_sizes": [(12, 20), (12, 18), (10, 16)]})
+    demo = load_params(REPO / "params.yaml").demo
+    with pytest.raises(InputError) as err:
+        eval_grid.run(cfg, demo, models, ckpt, tmp_path / "phase1")
+    assert str(err.value) == (
+        "eval.extra_sizes: 12x18, 10x16: width and height must be multiples of 4 px for this model "
+        "(its VAE × UNet downsampling); e.g. 12x20"
+    )
+    assert not (tmp_path / "phase1").exists()
+
+
+def test_extra_sizes_config():
+    assert Eval(prompts=["a"]).extra_sizes == [] and Eval(prompts=["a"]).extra_prompts == 4
+    with pytest.raises(ValidationError, match="extra_sizes"):
+        Eval(prompts=["a"], extra_sizes=[(0, 16)])
+    with pytest.raises(ValidationError, match=r"sizes listed twice: \['16x24'\]"):
+        Eval(prompts=["a"], extra_sizes=[(16, 24), (24, 16), (16, 24)])
+    demo_cfg = load_params(REPO / "params.yaml").eval
+    assert demo_cfg.extra_sizes == [(24, 40), (40, 24)] and demo_cfg.extra_prompts == 4
+    assert grid.extra_prompts(demo_cfg) == ("seen", demo_cfg.prompts["seen"][:4])

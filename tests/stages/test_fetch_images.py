@@ -30,6 +30,7 @@ from PIL import Image
 from sdforge.config import FetchSettings, Source
 from sdforge.demo.http_server import serve_directory
 from sdforge.ingest import fetch_state, shards, url_fetch, url_guard
+from sdforge.ingest.image_convert import resized_size
 from sdforge.io import InputError
 from stages import fetch_images
 from tests.fixtures.sources import check_tar_layout
@@ -81,7 +82,8 @@ def test_laion_cli_fetches_good_rows_from_the_loopback_server(demo_params, run_u
         meta = json.loads(sample["json"])
         assert meta["key"] == key and len(key) == 7  # shard_size 16: 2 digits per sample + 5 per shard
         assert sample["txt"].decode() == caption_of[meta["url"]] == meta["caption"]
-        assert decode(sample["jpg"]).shape == (32, 32, 3)
+        kept = resized_size(meta["original_width"], meta["original_height"], 32, "keep_ratio")  # aspect kept
+        assert decode(sample["jpg"]).shape == (kept[1], kept[0], 3) and min(kept) == 32
         assert "/images/shape-" in meta["url"]
     tried_rows = pl.concat([pl.read_parquet(p) for p in sorted(out.glob("*.parquet"))])
     assert tried_rows.height == tried and tried_rows["key"].is_sorted()

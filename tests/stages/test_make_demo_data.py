@@ -57,7 +57,7 @@ def test_laion_parquet_has_the_injected_rows(built):
     assert ((df["WIDTH"] == 16) & (df["HEIGHT"] == 16)).sum() == demo.small_rows
     assert df["similarity"].is_between(0.3, 0.4).all()
     good = df.filter((pl.col("AESTHETIC_SCORE") >= 5) & (pl.col("pwatermark") < 0.5))
-    assert set(good["WIDTH"].to_list()) == {16, demo.image_size}
+    assert set(good["WIDTH"].to_list()) == {16, 48, 32}  # the small rows and demo.canvases' widths
     urls = df["URL"].to_list()
     assert all(u.strip().lower().startswith(f"http://127.0.0.1:{demo.http_port}/images/") for u in urls)
     served = [u for u in urls if u == u.strip() and served_file(root, u).is_file()]
@@ -85,10 +85,13 @@ def test_duplicates_follow_their_original(built):
 def test_served_images_are_demo_shapes(built):
     params, root, _ = built
     df = pl.read_parquet(root / "laion" / "part-00000.parquet")
-    url, caption = next((u, c) for u, c in df.select("URL", "TEXT").iter_rows() if served_file(root, u).is_file())
-    img = cv2.imread(str(served_file(root, url)))
-    assert img.shape == (params.demo.image_size, params.demo.image_size, 3)
-    parse_caption(caption)
+    rows = [r for r in df.select("URL", "TEXT", "WIDTH", "HEIGHT").iter_rows() if served_file(root, r[0]).is_file()]
+    assert len(rows) == params.demo.laion_rows + 2  # + the two URL duplicates (same image)
+    for url, caption, width, height in rows:
+        img = cv2.imread(str(served_file(root, url)))
+        assert img.shape == (height, width, 3)  # the row states the served image's size
+        assert (width, height) in params.demo.canvas_sizes
+        parse_caption(caption)
 
 
 def test_diffusiondb_zip_is_in_diffusiondb_format(built):
@@ -106,7 +109,7 @@ def test_diffusiondb_zip_is_in_diffusiondb_format(built):
             assert set(meta) == {"p", "se", "c", "st", "sa"}
             parse_caption(meta["p"])
             img = cv2.imdecode(np.frombuffer(zf.read(name), np.uint8), cv2.IMREAD_UNCHANGED)
-            assert img.shape == (params.demo.image_size, params.demo.image_size, 3)
+            assert (img.shape[1], img.shape[0]) in params.demo.canvas_sizes and img.shape[2] == 3
             assert zf.read(name)[:8] == b"\x89PNG\r\n\x1a\n"
 
 

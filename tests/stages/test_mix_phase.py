@@ -1,5 +1,7 @@
 """Phase mixing: exact composition, determinism, clear error on a too-small source."""
 
+import hashlib
+
 import polars as pl
 import pytest
 from pydantic import ValidationError
@@ -16,9 +18,19 @@ def _manifest(source, n):
             "key": [f"{source}{i:04d}" for i in range(n)],
             "source": [source] * n,
             "shard": [i // 10 for i in range(n)],
+            "bucket_width": [32] * n,
+            "bucket_height": [32] * n,
             "row": [i % 10 for i in range(n)],
         }
     )
+
+
+RES = "sq"  # the resolution folder these tests write their manifests in
+
+
+def _write(root, source, frame):
+    (root / source / RES).mkdir(parents=True, exist_ok=True)
+    frame.write_parquet(root / source / RES / "manifest.parquet")
 
 
 def _phase(**kw):
@@ -66,11 +78,11 @@ def test_with_replacement_fills_the_request():
 
 def test_run_writes_parquet_and_metrics(tmp_path):
     for s, n in (("a", 50), ("b", 70)):
-        (tmp_path / "lat" / s).mkdir(parents=True)
-        _manifest(s, n).write_parquet(tmp_path / "lat" / s / "manifest.parquet")
-    metrics = run("p", _phase(samples=60), tmp_path / "lat", tmp_path / "mix" / "p.parquet", seed=3)
+        _write(tmp_path / "lat", s, _manifest(s, n))
+    metrics = run("p", _phase(samples=60), tmp_path / "lat", tmp_path / "mix" / "p.parquet", seed=3, resolution=RES)
     idx = pl.read_parquet(tmp_path / "mix" / "p.parquet")
-    assert idx.columns == ["source", "shard", "row", "key"]
+    assert idx.columns == ["source", "shard", "bucket_width", "bucket_height", "row", "key"]
+    assert metrics["bucket.32x32"] == 60
     assert metrics["samples"] == 60 and metrics["samples.a"] == 22 and metrics["samples.b"] == 38
     assert metrics["requested_fraction.a"] == 0.37 and metrics["obtained_fraction.a"] == pytest.approx(22 / 60)
 
@@ -86,6 +98,8 @@ def _manifest_sharded(source, n, shard_size=128):
             "key": [f"{source}-{i:05d}" for i in range(n)],
             "source": [source] * n,
             "shard": [i // shard_size for i in range(n)],
+            "bucket_width": [32] * n,
+            "bucket_height": [32] * n,
             "row": [i % shard_size for i in range(n)],
         }
     )
@@ -99,11 +113,23 @@ def _manifest_sharded(source, n, shard_size=128):
     ],
 )
 def test_golden_index_digest(with_replacement, digest):
-    """The index for a seed is pinned: a changed digest means a changed training order on some machine."""
+    """The index for a seed is pinned: a changed digest means a changed training order on some machine.
+
+    ``digest`` is over (source, shard, row, key), as pinned before buckets existed: with one square bucket
+    the selection and order are unchanged. :func:`index_digest` (which adds the bucket) is pinned below."""
     phase = _phase(mix={"laion": 0.6, "coco": 0.1, "vgg": 0.3}, samples=300, with_replacement=with_replacement)
     index = build_index("phase6", phase, _golden_manifests(), seed=0)
     assert dict(index.group_by("source").len().iter_rows()) == {"laion": 180, "coco": 30, "vgg": 90}
-    assert index_digest(index) == digest
+    rows = index.select("source", "shard", "row", "key").iter_rows()
+    text = "".join(f"{so}\t{sh}\t{r}\t{k}\n" for so, sh, r, k in rows)
+    assert hashlib.sha256(text.encode()).hexdigest() == digest
+    assert index_digest(index) == GOLDEN_WITH_BUCKETS[with_replacement]
+
+
+GOLDEN_WITH_BUCKETS = {
+    False: "d172e83a02804c2dcc9e262ece4b62d0f13f0e63601931cd4cfcdaa1701e3ecc",
+    True: "8db8b57d6e5bf241964e377217cded9163b6ac37efb20b4625bb4989e2733198",
+}
 
 
 def test_index_ignores_manifest_row_order():
@@ -150,22 +176,21 @@ def test_counts_beyond_a_source_need_replacement():
 
 
 def test_manifest_checks(tmp_path):
-    (tmp_path / "lat" / "a").mkdir(parents=True)
-    with pytest.raises(InputError, match=r"a/manifest.parquet: missing .*encode_latents@a"):
-        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0)
+    (tmp_path / "lat" / "a" / RES).mkdir(parents=True)
+    with pytest.raises(InputError, match=r"a/sq/manifest.parquet: missing .*encode_latents@a"):
+        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0, resolution=RES)
     dup = pl.concat([_manifest("a", 20), _manifest("a", 20).head(1)])
-    dup.write_parquet(tmp_path / "lat" / "a" / "manifest.parquet")
-    with pytest.raises(InputError, match=r"manifest lists a \(shard, row\) twice"):
-        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0)
+    dup.write_parquet(tmp_path / "lat" / "a" / RES / "manifest.parquet")
+    with pytest.raises(InputError, match=r"manifest lists a \(shard, bucket, row\) twice"):
+        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0, resolution=RES)
 
 
 def test_run_is_deterministic_on_disk(tmp_path):
     for s, n in (("a", 50), ("b", 70)):
-        (tmp_path / "lat" / s).mkdir(parents=True)
-        _manifest(s, n).write_parquet(tmp_path / "lat" / s / "manifest.parquet")
+        _write(tmp_path / "lat", s, _manifest(s, n))
     digests = []
     for name in ("x", "y"):
-        run("p", _phase(samples=60), tmp_path / "lat", tmp_path / name / "p.parquet", seed=3)
+        run("p", _phase(samples=60), tmp_path / "lat", tmp_path / name / "p.parquet", seed=3, resolution=RES)
         digests.append(index_digest(pl.read_parquet(tmp_path / name / "p.parquet")))
     assert digests[0] == digests[1]
 
@@ -174,12 +199,13 @@ def test_unreadable_or_short_manifest_is_an_input_error_naming_the_file(tmp_path
     """A truncated manifest or one without the index columns names the file and what to re-run."""
     from stages.mix_phase import read_manifest
 
-    (tmp_path / "a").mkdir()
-    path = tmp_path / "a" / "manifest.parquet"
-    pl.DataFrame({"key": ["x"], "shard": [0], "row": [0]}).write_parquet(path)
+    (tmp_path / "a" / RES).mkdir(parents=True)
+    path = tmp_path / "a" / RES / "manifest.parquet"
+    bucket = {"bucket_width": [8], "bucket_height": [8]}
+    pl.DataFrame({"key": ["x"], "shard": [0], **bucket, "row": [0]}).write_parquet(path)
     path.write_bytes(path.read_bytes()[:-20])
-    with pytest.raises(InputError, match=r"a/manifest.parquet: unreadable parquet .*re-run encode_latents@a"):
-        read_manifest(tmp_path, "a")
-    pl.DataFrame({"key": ["x"], "shard": [0]}).write_parquet(path)
-    with pytest.raises(InputError, match=r"a/manifest.parquet: lacks column\(s\) \['row'\]; re-run encode_latents@a"):
-        read_manifest(tmp_path, "a")
+    with pytest.raises(InputError, match=r"a/sq/manifest.parquet: unreadable parquet .*re-run encode_latents@a"):
+        read_manifest(tmp_path, "a", RES)
+    pl.DataFrame({"key": ["x"], "shard": [0], **bucket}).write_parquet(path)
+    with pytest.raises(InputError, match=r"sq/manifest.parquet: lacks column\(s\) \['row'\]; re-run encode_latents@a"):
+        read_manifest(tmp_path, "a", RES)

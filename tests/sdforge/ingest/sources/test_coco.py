@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sdforge.ingest.image_convert import resized_size
 from tests.fixtures.sources import (
     BLUE,
     GREEN,
@@ -86,5 +87,6 @@ def test_coco_end_to_end_tall_person_filter_and_captions(tmp_path):
         "extra/000000000011.jpg": ((40, 60), BLUE),
     }.items():
         meta = samples[member]["json"]
-        assert (meta["width"], meta["height"], meta["original_width"], meta["original_height"]) == (32, 32, *size)
+        kept = resized_size(*size, 32, "keep_ratio")  # the full config fetches keep_ratio: shorter side 32
+        assert (meta["width"], meta["height"], meta["original_width"], meta["original_height"]) == (*kept, *size)
         assert close_to(centre_colour(samples[member]["jpg"]), colour)

@@ -13,6 +13,7 @@ import pytest
 
 from sdforge.config import Source
 from sdforge.ingest import image_convert, shards, sources
+from sdforge.ingest.image_convert import resized_size
 from stages import fetch_images, filter_metadata
 from tests.fixtures.sources import BLUE, check_tar_layout, close_to, decode, image_bytes, statuses
 
@@ -120,10 +121,11 @@ def test_diffusiondb_reshards_every_archive_image(demo_params, run_until, tree_d
         meta = json.loads(sample["json"])
         row = row_of[meta["member"]]
         assert sample["txt"].decode() == row["caption"] == meta["caption"]
-        assert (meta["key"], meta["source"], meta["width"], meta["height"]) == (key, "diffusiondb", 32, 32)
-        assert (meta["original_width"], meta["original_height"]) == (40, 40)
+        kept = resized_size(meta["original_width"], meta["original_height"], 32, "keep_ratio")  # shorter side 32
+        assert (meta["key"], meta["source"], meta["width"], meta["height"]) == (key, "diffusiondb", *kept)
+        assert (meta["original_width"], meta["original_height"]) in {(48, 48), (48, 32), (32, 48)}  # demo canvases
         assert meta["seed"] == json.loads(row["meta"])["seed"]  # the row's meta fields are in the sample's json
-        assert decode(sample["jpg"]).shape == (32, 32, 3)
+        assert decode(sample["jpg"]).shape == (kept[1], kept[0], 3)
     stats = json.loads((out / "00002_stats.json").read_text())
     assert stats == {
         "count": 2,

@@ -6,6 +6,7 @@ import json
 
 import polars as pl
 
+from sdforge.ingest.image_convert import resized_size
 from stages import filter_metadata
 from tests.fixtures.sources import (
     BLUE,
@@ -84,8 +85,9 @@ def test_journeydb_end_to_end_prompt_captions(tmp_path):
     expected = {"000/aaa.jpg": ((64, 48), RED), "000/bbb.jpg": ((48, 64), GREEN), "001/ccc.jpg": ((40, 40), BLUE)}
     for member, (original, colour) in expected.items():
         meta = samples[member]["json"]
-        assert decode(samples[member]["jpg"]).shape == (32, 32, 3)
-        assert (meta["width"], meta["height"], meta["original_width"], meta["original_height"]) == (32, 32, *original)
+        kept = resized_size(*original, 32, "keep_ratio")  # the full config fetches keep_ratio: shorter side 32
+        assert decode(samples[member]["jpg"]).shape == (kept[1], kept[0], 3)
+        assert (meta["width"], meta["height"], meta["original_width"], meta["original_height"]) == (*kept, *original)
         assert close_to(centre_colour(samples[member]["jpg"]), colour)
         assert meta["source"] == "journeydb" and meta["archive"].endswith(member[:3] + ".tgz")
     assert samples["000/aaa.jpg"]["json"]["task2_caption"] == "a red description"

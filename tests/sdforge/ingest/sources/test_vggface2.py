@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sdforge.config import ConfigError, FaceOptions, parse_params
+from sdforge.ingest.image_convert import resized_size
 from sdforge.ingest.sources.vggface2 import read_identity_meta, template_index
 from tests.fixtures.sources import (
     BLUE,
@@ -62,7 +63,9 @@ def test_vggface2_end_to_end_template_captions(tmp_path):
         index = template_index(member, len(TEMPLATES))
         assert sample["txt"] == TEMPLATES[index].format(gender=word)
         assert (sample["json"]["template"], sample["json"]["name"]) == (index, name)
-        assert (sample["json"]["width"], sample["json"]["height"]) == (32, 32)
+        meta = sample["json"]  # the full config fetches keep_ratio: shorter side 32, aspect kept
+        kept = resized_size(meta["original_width"], meta["original_height"], 32, "keep_ratio")
+        assert (meta["width"], meta["height"]) == kept and min(kept) == 32
         assert close_to(centre_colour(sample["jpg"]), colour)
     assert samples["train/n000001/0001_01.jpg"]["txt"] == "a headshot of a man, detailed face"  # pinned: stable hash
     assert samples["train/n000002/0001_01.jpg"]["json"]["identity"] == "n000002"
