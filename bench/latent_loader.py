@@ -1,12 +1,18 @@
 """Benchmark: the training loader over the memory-mapped latent store vs one ``.npy`` per sample loaded into RAM.
 
-``python -m bench.latent_loader`` (100k samples of 4×64×64 fp16, ≈3.3 GB per design on disk) or
-``--quick`` (10k). The data are generated once and cached under ``data/bench/latent_loader/<n>/``
-(git-ignored; ``SDFORGE_BENCH_DATA`` moves it; ``--clean`` deletes it after the run):
+``python -m bench.latent_loader`` (100k samples in 8 aspect-ratio buckets of SD-like latents, about
+4×64×64 fp16 each, ≈3.3 GB per design on disk) or ``--quick`` (10k); ``--buckets N`` (1–8; 1 = the
+square-only store of before issue 18). Issue 18's acceptance: with 8 buckets the loader keeps ≥ 100
+batches/s cold at 100k samples. The data are generated once and cached under
+``data/bench/latent_loader/v<LAYOUT>-b<N>/<n>/`` (git-ignored; ``SDFORGE_BENCH_DATA`` moves it; a new
+:data:`LAYOUT` regenerates it; ``--clean`` deletes it after the run):
 
-- ``store/bench/shard-NNNNN.safetensors`` (4096 rows each, :func:`sdforge.latents.store.write_shard`),
-  its ``manifest.parquet`` and ``mix.parquet``, a phase index over all samples built by
-  :func:`stages.mix_phase.build_index` (so in shuffled order, like a real phase index);
+- ``store/bench/px512/shard-NNNNN-WxH.safetensors``: input shard NNNNN (4096 consecutive samples) holds
+  one file per bucket (:func:`sdforge.latents.store.write_shard`), like ``encode_latents`` writes them;
+  the bucket of each sample is drawn with weight 1/(k+1) over :data:`BUCKETS` (square first, rarer
+  shapes after, as in LAION); ``manifest.parquet`` (``source, shard, bucket_width, bucket_height, row,
+  key``) and ``mix.parquet``, a phase index over all samples built by :func:`stages.mix_phase.build_index`
+  (so in shuffled order, like a real phase index);
 - ``npy/NNN/NNNNNNN.npy``, the same latents one file per sample, plus ``npy/input_ids.npy``.
 
 Each design runs in a fresh subprocess, ours first, after every file of *both* designs has been
@@ -14,18 +20,20 @@ dropped from the page cache (``fdatasync`` was done at generation; ``posix_fadvi
 file, which needs no root) — the parent checks with ``mincore(2)`` that almost none of either
 design's pages are resident before each run and prints the fraction. In each child:
 
-- ours: ``LatentIndexDataset(mix.parquet, store)``, then ``iter_batches`` over one shuffled epoch;
+- ours: ``LatentIndexDataset(mix.parquet, store, "px512")``, ``rank_batches`` (one bucket per batch with
+  several buckets; the strided permutation with one), then ``iter_batches`` over that shuffled epoch;
 - reference: the index's files loaded by ``ThreadPoolExecutor(16)`` + ``np.load`` into one
-  preallocated ``[N, 4, 64, 64]`` fp16 array (the token ids from one ``.npy``), then the same
-  ``rank_order`` batches gathered from RAM and converted exactly as the trainer receives them (with
-  the loader's own :func:`~sdforge.latents.loader.to_float32`, so only the design differs).
+  preallocated fp16 array per bucket (the token ids from one ``.npy``), then the same ``rank_batches``
+  batches gathered from RAM and converted exactly as the trainer receives them (with the loader's own
+  :func:`~sdforge.latents.loader.to_float32`, so only the design differs).
 
 Start-up is the seconds from constructing the loader to holding the first batch (imports excluded;
 printed apart). Batches/s is over the whole epoch of batches of 24 after the first. Anonymous
 (private) RSS is the peak of ``RssAnon`` from ``/proc/self/status`` sampled every 20 ms; peak RSS is
 the child's ``VmHWM`` (file-backed page-cache pages of the memmaps included). Not ``wait4``'s
 ``ru_maxrss``: Linux carries the parent's high-water mark over ``exec`` into it. The last
-line is ``RESULT name=latent_loader ratio=<reference start-up / ours> ...``.
+line is ``RESULT name=latent_loader ratio=<reference start-up / ours> ... batches_per_s=<ours, cold>
+buckets=<N>``.
 """
 
 from __future__ import annotations
@@ -41,13 +49,23 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import polars as pl
+
 from bench._common import BENCH_DATA, load_average, machine, python_module, result_line, run_measured
 from sdforge.config import Phase
-from sdforge.latents.loader import LatentIndexDataset, batches_per_epoch, iter_batches, rank_order, to_float32
-from sdforge.latents.store import MANIFEST, shard_path, write_shard
+from sdforge.latents.loader import LatentIndexDataset, iter_batches, rank_batches, to_float32
+from sdforge.latents.store import MANIFEST, resolution_dir, shard_path, write_shard
 from stages.mix_phase import build_index
 
-SHAPE = (4, 64, 64)
+LAYOUT = 2
+"""Version of the generated files' layout (2: one file per input shard and bucket); a change regenerates."""
+BUCKETS = [(512, 512), (448, 576), (576, 448), (384, 640), (640, 384), (416, 608), (608, 416), (704, 352)]
+"""Bucket shapes (width, height) in pixels, most frequent first: SD 512² shapes (sides multiples of 32, area
+≤ 512², aspect 1:2–2:1, from ``generate_buckets(512 * 512, 32, 0.5, 2.0)``); latents are 4 × H/8 × W/8
+(h×w 64×64, 72×56, 56×72, 80×48, 48×80, 76×52, 52×76, 44×88: 3840–4096 latent pixels, 94–100 % of 64×64)."""
+LATENT_CHANNELS, FACTOR = 4, 8
+RESOLUTION = "px512"
 SHARD_ROWS = 4096
 BATCH = 24
 THREADS = 16
@@ -58,61 +76,99 @@ SEED = 20240601
 # ------------------------------------------------------------------------------------------ data
 
 
-def data_root(samples: int) -> Path:
-    return BENCH_DATA / "latent_loader" / str(samples)
+def latent_shape(bucket: tuple[int, int]) -> tuple[int, int, int]:
+    """``(C, h, w)`` of a bucket's latents."""
+    return (LATENT_CHANNELS, bucket[1] // FACTOR, bucket[0] // FACTOR)
+
+
+def sample_buckets(samples: int, buckets: int) -> np.ndarray:
+    """Each sample's bucket (a position in ``BUCKETS[:buckets]``), drawn with weight 1/(k+1), seeded."""
+    if not 1 <= buckets <= len(BUCKETS):
+        raise ValueError(f"--buckets must be 1..{len(BUCKETS)}, got {buckets}")
+    weights = 1 / np.arange(1, buckets + 1)
+    return np.random.default_rng(SEED).choice(buckets, size=samples, p=weights / weights.sum())
+
+
+def layout(samples: int, buckets: int) -> pl.DataFrame:
+    """The store's manifest: per sample (numbered in ``key``) its input shard, bucket and row in that
+    (shard, bucket) file — samples of one shard and bucket in key order."""
+    bucket = sample_buckets(samples, buckets)
+    shard = np.arange(samples) // SHARD_ROWS
+    # row = how many earlier samples share the (shard, bucket)
+    group = shard * len(BUCKETS) + bucket
+    order = np.argsort(group, kind="stable")
+    sorted_group = group[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(sorted_group)) + 1]
+    first = np.repeat(starts, np.diff(np.r_[starts, samples]))
+    row = np.empty(samples, dtype=np.int64)
+    row[order] = np.arange(samples) - first
+    shapes = np.array(BUCKETS)[bucket]
+    return pl.DataFrame(
+        {
+            "key": [f"{i:07d}" for i in range(samples)],
+            "caption": ["c"] * samples,
+            "source": [SOURCE] * samples,
+            "shard": shard.astype(np.int64),
+            "bucket_width": shapes[:, 0].astype(np.int32),
+            "bucket_height": shapes[:, 1].astype(np.int32),
+            "row": row,
+        }
+    )
+
+
+def data_root(samples: int, buckets: int) -> Path:
+    return BENCH_DATA / "latent_loader" / f"v{LAYOUT}-b{buckets}" / str(samples)
+
+
+def store_dir(root: Path) -> Path:
+    return resolution_dir(root / "store", SOURCE, RESOLUTION)
 
 
 def npy_path(root: Path, i: int) -> Path:
     return root / "npy" / f"{i // 1000:03d}" / f"{i:07d}.npy"
 
 
-def generate(root: Path, samples: int) -> None:
+def generate(root: Path, samples: int, buckets: int) -> None:
     """Write both designs' files for ``samples`` samples (same values) unless already complete."""
     done = root / "DONE"
-    if done.is_file():
+    if done.is_file() and json.loads(done.read_text()).get("layout") == LAYOUT:
         return
-    import numpy as np
-    import polars as pl
     import torch
 
     if root.exists():
         shutil.rmtree(root)
-    print(f"generating {samples} samples under {root} (once)", file=sys.stderr, flush=True)
+    print(f"generating {samples} samples in {buckets} bucket(s) under {root} (once)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rng = np.random.default_rng(SEED)
-    all_ids = np.empty((samples, 77), dtype=np.int32)
+    manifest = layout(samples, buckets)
+    bucket_w, bucket_h = manifest["bucket_width"].to_numpy(), manifest["bucket_height"].to_numpy()
+    all_ids = rng.integers(0, 49408, (samples, 77), dtype=np.int32)
     for shard, start in enumerate(range(0, samples, SHARD_ROWS)):
-        n = min(SHARD_ROWS, samples - start)
-        latents = rng.standard_normal((n, *SHAPE), dtype=np.float32).astype(np.float16)
-        ids = rng.integers(0, 49408, (n, 77), dtype=np.int32)
-        all_ids[start : start + n] = ids
-        write_shard(shard_path(root / "store", SOURCE, shard), torch.from_numpy(latents), torch.from_numpy(ids))
-        for j in range(n):
-            path = npy_path(root, start + j)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, latents[j])
+        stop = min(start + SHARD_ROWS, samples)
+        for bucket in BUCKETS[:buckets]:
+            members = start + np.flatnonzero((bucket_w[start:stop] == bucket[0]) & (bucket_h[start:stop] == bucket[1]))
+            if members.size == 0:
+                continue
+            latents = rng.standard_normal((members.size, *latent_shape(bucket)), dtype=np.float32).astype(np.float16)
+            path = shard_path(root / "store", SOURCE, RESOLUTION, shard, bucket)
+            write_shard(path, torch.from_numpy(latents), torch.from_numpy(all_ids[members]))
+            for j, i in enumerate(members.tolist()):
+                npy = npy_path(root, i)
+                npy.parent.mkdir(parents=True, exist_ok=True)
+                np.save(npy, latents[j])
     np.save(root / "npy" / "input_ids.npy", all_ids)
-    keys = [f"{i:07d}" for i in range(samples)]
-    manifest = pl.DataFrame(
-        {
-            "key": keys,
-            "caption": ["c"] * samples,
-            "source": [SOURCE] * samples,
-            "shard": [i // SHARD_ROWS for i in range(samples)],
-            "row": [i % SHARD_ROWS for i in range(samples)],
-        }
-    )
-    manifest.write_parquet(root / "store" / SOURCE / MANIFEST)
+    manifest.write_parquet(store_dir(root) / MANIFEST)
     index = build_index("bench", Phase(mix={SOURCE: 1.0}, samples=samples, lr=1.0), {SOURCE: manifest}, seed=0)
     index.write_parquet(root / "mix.parquet")
     os.sync()  # everything clean on disk, so DONTNEED can drop it
-    done.write_text(json.dumps({"samples": samples, "seconds": round(time.perf_counter() - t0, 1)}))
-    print(f"generated in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    done.write_text(json.dumps({"layout": LAYOUT, "samples": samples, "buckets": buckets, "seconds": seconds}))
+    print(f"generated in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def design_files(root: Path) -> dict[str, list[Path]]:
     """Every file each design reads."""
-    store = sorted((root / "store" / SOURCE).glob("shard-*.safetensors")) + [root / "mix.parquet"]
+    store = sorted(store_dir(root).glob("shard-*.safetensors")) + [root / "mix.parquet"]
     npy = sorted((root / "npy").glob("*/*.npy")) + [root / "npy" / "input_ids.npy", root / "mix.parquet"]
     return {"ours": store, "ref": npy}
 
@@ -207,8 +263,7 @@ def child(design: str, root: Path) -> None:
     t_import = time.perf_counter()
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
-    import polars as pl
+    import pyarrow.dataset  # noqa: F401 - pq.read_table imports it (and pandas, ~0.5 s) on first use
     import torch
 
     import_s = time.perf_counter() - t_import
@@ -216,27 +271,38 @@ def child(design: str, root: Path) -> None:
     anon_after_import_mb = anon.peak_kb / 1024
     t0 = time.perf_counter()
     if design == "ours":
-        data = LatentIndexDataset(root / "mix.parquet", root / "store")
-        batches = iter_batches(data, epoch=0, seed=0, rank=0, world=1, batch_size=BATCH)
+        data = LatentIndexDataset(root / "mix.parquet", root / "store", RESOLUTION)
+        batches = iter_batches(data, rank_batches(data.sample_bucket, 0, 0, 0, 1, BATCH))
         n = len(data)
     else:
         index = pl.read_parquet(root / "mix.parquet")
-        sample = [int(k) for k in index["key"].to_list()]  # the key is the sample number
+        sample = np.array([int(k) for k in index["key"].to_list()])  # the key is the sample number
         n = len(sample)
-        latents = np.empty((n, *SHAPE), dtype=np.float16)
+        # bucket per position, numbered as LatentIndexDataset numbers them (sorted (width, height))
+        shapes, sample_bucket = np.unique(
+            np.stack([index["bucket_width"].to_numpy(), index["bucket_height"].to_numpy()]), axis=1, return_inverse=True
+        )
+        sample_bucket = sample_bucket.reshape(-1)
+        counts = np.bincount(sample_bucket, minlength=shapes.shape[1])
+        slot = np.empty(n, dtype=np.int64)  # position -> row in its bucket's array
+        for b in range(shapes.shape[1]):
+            slot[sample_bucket == b] = np.arange(counts[b])
+        latents = [
+            np.empty((int(counts[b]), *latent_shape(tuple(shapes[:, b].tolist()))), dtype=np.float16)
+            for b in range(shapes.shape[1])
+        ]
         input_ids = np.load(root / "npy" / "input_ids.npy")[sample]
 
         def load(pos: int) -> None:
-            latents[pos] = np.load(npy_path(root, sample[pos]))
+            latents[sample_bucket[pos]][slot[pos]] = np.load(npy_path(root, sample[pos]))
 
         with ThreadPoolExecutor(THREADS) as pool:
             list(pool.map(load, range(n), chunksize=256))
 
         def ram_batches():
-            order = rank_order(n, 0, 0, 0, 1)
-            for b in range(batches_per_epoch(n, 1, BATCH)):
-                pos = order[b * BATCH : (b + 1) * BATCH]
-                yield b, to_float32(latents[pos]), torch.from_numpy(input_ids[pos]).long()
+            for b, pos in enumerate(rank_batches(sample_bucket, 0, 0, 0, 1, BATCH)):
+                bucket = sample_bucket[pos[0]]
+                yield b, to_float32(latents[bucket][slot[pos]]), torch.from_numpy(input_ids[pos]).long()
 
         batches = ram_batches()
     checksum = 0.0
@@ -279,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="10k samples (under a minute once generated)")
     parser.add_argument("--samples", type=int, help="override the sample count")
+    parser.add_argument(
+        "--buckets", type=int, default=8, help=f"bucket shapes in the store, 1..{len(BUCKETS)} (1: square-only)"
+    )
     parser.add_argument("--clean", action="store_true", help="delete the generated data afterwards")
     parser.add_argument("--child", choices=["ours", "ref"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
@@ -287,12 +356,18 @@ def main(argv: list[str] | None = None) -> None:
         child(args.child, args.root)
         return
     samples = args.samples or (10_000 if args.quick else 100_000)
-    root = data_root(samples)
-    generate(root, samples)
+    root = data_root(samples, args.buckets)
+    generate(root, samples, args.buckets)
     files = design_files(root)
     every = files["ours"] + files["ref"]
     print(f"machine: {machine()}")
     print(f"data: {root} ({sum(p.stat().st_size for p in every) / 1e9:.2f} GB in {len(every)} files)")
+    per_bucket = np.bincount(sample_buckets(samples, args.buckets), minlength=args.buckets)
+    shapes = ", ".join(
+        f"{w}x{h} ({latent_shape((w, h))[2]}x{latent_shape((w, h))[1]} latent) {c}"
+        for (w, h), c in zip(BUCKETS, per_bucket.tolist(), strict=False)
+    )
+    print(f"{args.buckets} bucket(s), samples per bucket: {shapes}; {len(files['ours']) - 1} shard files")
     results = {}
     for design in ("ours", "ref"):
         before = resident_fraction(files[design])
@@ -340,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
             ours_peak_rss_mb=ours["peak_rss_mb"],
             ref_peak_rss_mb=ref["peak_rss_mb"],
             samples=samples,
+            batches_per_s=ours["batches_s"],
+            buckets=args.buckets,
             machine=machine(),
         )
     )
