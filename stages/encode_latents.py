@@ -128,22 +128,27 @@ def _shard_dir(shards: str, source: str) -> str | Path:
 def run_resolutions(params: Params, source: str) -> dict:
     """:func:`run` at each of ``params``' encoded bucket sets, into ``paths.latents/<source>/<resolution>``.
 
-    Metrics: the first set's, plus ``<resolution>.samples`` / ``.shards_encoded`` / ``.buckets`` for each
-    and the shards encoded and reused summed over the sets."""
+    Metrics: the first set's, plus ``<resolution>.samples`` / ``.shards_encoded`` / ``.buckets`` for each;
+    shards encoded and reused and seconds summed over the sets; ``images_per_second`` = source images
+    encoded per second of pipeline time over all sets (each image is encoded once per set)."""
     paths, sets = params.paths, params.bucket_sets()
     metrics: dict = {}
+    pipeline_s = 0.0
     for name in params.encoded_resolutions():
         out = store.resolution_dir(Path(paths.latents), source, name)
         shapes = shapes_of(sets[name])
         got = run(params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), out, shapes)
-        for key in ("samples", "shards_encoded", "buckets"):
+        for key in ("samples", "shards_encoded", "buckets", "images_per_second"):
             metrics[f"{name}.{key}"] = got[key]
+        if got["images_per_second"]:
+            pipeline_s += got["images_encoded"] / got["images_per_second"]
         if "samples" not in metrics:
             metrics.update(got, resolution=name)
-        else:
-            metrics["shards_encoded"] += got["shards_encoded"]
-            metrics["shards_reused"] += got["shards_reused"]
-            metrics["seconds"] = round(metrics["seconds"] + got["seconds"], 2)
+            continue
+        for key in ("shards_encoded", "shards_reused", "seconds"):
+            metrics[key] = round(metrics[key] + got[key], 2)
+        metrics["images_encoded"] = max(metrics["images_encoded"], got["images_encoded"])
+    metrics["images_per_second"] = round(metrics["images_encoded"] / pipeline_s, 2) if pipeline_s else None
     return metrics
 
 

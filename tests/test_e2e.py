@@ -95,17 +95,26 @@ def test_fetch_shards_and_samples(project):
     assert metrics(project, "fetch_images", "diffusiondb")["successes"] == params["demo"]["archive_images"]
 
 
-def test_latents_shape_dtype_and_manifest(project):
+def test_latents_per_resolution_and_bucket(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     m = metrics(project, "encode_latents", "laion")
-    assert m["samples"] == params["demo"]["laion_rows"]
-    assert m["latent_shape"] == [4, 16, 16]
-    manifest = pl.read_parquet(project / "data/latents/laion/manifest.parquet")
-    assert manifest.height == m["samples"] and manifest["key"].n_unique() == m["samples"]
-    with safe_open(str(project / "data/latents/laion/shard-00000.safetensors"), framework="pt") as f:
-        lat, ids = f.get_tensor("latents"), f.get_tensor("input_ids")
-    assert str(lat.dtype) == "torch.float16" and tuple(lat.shape[1:]) == (4, 16, 16)
-    assert tuple(ids.shape[1:]) == (params["models"]["text_encoder_build"]["max_position_embeddings"],) == (16,)
+    rows = params["demo"]["laion_rows"]
+    assert m["px24.samples"] == m["px32.samples"] == m["samples"] == rows
+    # the demo's 48×48, 48×32 and 32×48 canvases, fetched with the shorter side at 32 px, land in one bucket each
+    assert set(m["px32.buckets"]) == {"24x40", "32x32", "40x24"} and sum(m["px32.buckets"].values()) == rows
+    assert set(m["px24.buckets"]) == {"20x28", "24x24", "28x20"}
+    assert m["px24.buckets"]["24x24"] == m["px32.buckets"]["32x32"]
+    manifest = pl.read_parquet(project / "data/latents/laion/px32/manifest.parquet")
+    assert manifest.height == rows and manifest["key"].n_unique() == rows
+    wide = manifest.filter(pl.col("bucket_width") == 40)
+    assert set(zip(wide["width"], wide["height"], strict=True)) == {(48, 32)}  # fetched keep_ratio: aspect kept
+    assert set(wide["resized_height"]) == {27} and set(wide["crop_top"]) == {1} and set(wide["crop_bottom"]) == {25}
+    for path in sorted((project / "data/latents/laion/px32").glob("shard-*.safetensors")):
+        width, height = (int(v) for v in path.stem.split("-")[-1].split("x"))
+        with safe_open(str(path), framework="pt") as f:
+            lat, ids = f.get_tensor("latents"), f.get_tensor("input_ids")
+        assert str(lat.dtype) == "torch.float16" and tuple(lat.shape[1:]) == (4, height // 2, width // 2)
+        assert tuple(ids.shape[1:]) == (params["models"]["text_encoder_build"]["max_position_embeddings"],) == (16,)
 
 
 def test_mix_composition(project):
@@ -117,20 +126,25 @@ def test_checkpoint_keys_and_steps(project):
     from safetensors.torch import load_file
 
     m = metrics(project, "train", "phase1")
-    assert m["steps"] == m["total_steps"] == 2 * 4  # 64 samples / batch 16 × 2 epochs
+    assert m["resolution"] == "px24" and metrics(project, "train", "phase2")["resolution"] == "px32"
+    trained = sum(v for k, v in m.items() if k.startswith("bucket.") and k.endswith(".samples"))
+    assert m["steps"] == m["total_steps"] == trained // 16 and trained % 16 == 0  # full one-bucket batches only
+    assert {k.split(".")[1] for k in m if k.startswith("bucket.")} == {"20x28", "24x24", "28x20"}
     live = load_file(project / "checkpoints/phase1/unet/diffusion_pytorch_model.safetensors")
     ema = load_file(project / "checkpoints/phase1/unet_ema/diffusion_pytorch_model.safetensors")
     assert live.keys() == ema.keys() and "conv_out.weight" in live
     assert any(not (live[k] == ema[k]).all() for k in live)  # EMA differs from live weights
     state = json.loads((project / "checkpoints/phase1/state.json").read_text())
-    assert state["phase"] == "phase1" and state["step"] == 8
+    assert state["phase"] == "phase1" and state["step"] == m["steps"]
 
 
 def test_eval_grid_image(project):
     m = metrics(project, "eval_grid", "phase2")
-    assert m["images"] == 4 and m["image_size"] == 32
+    assert m["images"] == 4 and m["image_size"] == 32 and m["extra_images"] == 2 * 2  # 2 prompts × 24x40, 40x24
     grid = Image.open(project / "eval/phase2/grid.png")
-    assert grid.size == (2 * 128, 2 * (128 + 28))
+    # 2 square rows + one row per extra size; one scale (32 px → 128), cells padded to the largest (40 px → 160)
+    assert grid.size == (2 * 160, 4 * (160 + 28))
+    assert Image.open(project / "eval/phase2/images/00_24x40.png").size == (24, 40)
     assert 0 <= m["colour_agreement"] <= 1 and m["colour_chance"] == 0.2
 
 

@@ -13,12 +13,13 @@ def free_port() -> int:
 
 
 def shrink(params: dict, port: int) -> dict:
-    """The demo params, made small enough for a test: 2 phases, fewer rows and steps."""
+    """The demo params, made small enough for a test: 2 phases (demo phase 0 at its low resolution, then demo
+    phase 7 at the high one), fewer rows and steps."""
     demo = params["demo"]
     demo.update(laion_rows=96, archive_images=48, http_port=port)
     params["models"]["vae_build"].update(train_steps=30)
-    params["phases"] = {
-        "phase1": {**params["phases"]["phase1"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
+    params["phases"] = {  # phase 1 at the low resolution, phase 2 at the high one: a resolution change
+        "phase1": {**params["phases"]["phase0"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
         "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
                    "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
     }

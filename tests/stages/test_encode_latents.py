@@ -495,5 +495,7 @@ def test_run_resolutions_keeps_one_folder_per_bucket_set(models, tmp_path, monke
     m = encode_latents.run_resolutions(parse_params(data), "laion")
     assert m["lo.samples"] == m["hi.samples"] == 12 and m["lo.buckets"] == {"8x8": 12}
     assert m["shards_encoded"] == 4 and m["resolution"] == "lo"
+    assert m["images_encoded"] == 12 and m["images_per_second"] > 0  # source images, each encoded once per set
+    assert m["images_per_second"] < min(m["lo.images_per_second"], m["hi.images_per_second"])
     assert sorted(p.name for p in (tmp_path / "latents" / "laion").iterdir()) == ["hi", "lo"]
     assert store.open_shard(tmp_path / "latents/laion/lo/shard-00001-8x8.safetensors").latents.shape == (7, 4, 4, 4)

@@ -68,7 +68,7 @@ def test_full_preflight_runs_every_stage_within_memory(full_run):
     assert status == 0
     stages = report["stages"]
     assert {s["name"].split("@")[0] for s in stages} == STAGE_KINDS | {"export", "generate"}
-    assert {s["name"] for s in stages if s["name"].startswith("train@")} == {f"train@phase{i}" for i in range(1, 8)}
+    assert {s["name"] for s in stages if s["name"].startswith("train@")} == {f"train@phase{i}" for i in range(0, 8)}
     assert max(s["peak_rss_bytes"] for s in stages) <= 20 * 1024**3
     assert {r["stage"] for r in report["rows"]} == STAGE_KINDS | {"export", "generate"}
     assert report["totals"]["full_train_samples"] == 23_345_948
@@ -79,13 +79,16 @@ def test_full_preflight_runs_every_stage_within_memory(full_run):
 def test_full_preflight_shapes_and_checkpoints(full_run):
     _, ws, report = full_run
     for source in ("laion", "laion_hq", "diffusiondb", "journeydb", "vggface2", "coco"):
-        shard = open_shard(next((ws / "data/latents" / source).glob("shard-*.safetensors")))
-        assert shard.latents.shape[1:] == (4, 64, 64) and str(shard.latents.dtype) == "float16"
-        assert shard.input_ids.shape[1] == 77
+        for resolution in ("px256", "px512"):  # one file per input tar and bucket: latents of the bucket's shape
+            for path in (ws / "data/latents" / source / resolution).glob("shard-*.safetensors"):
+                width, height = (int(v) for v in path.stem.split("-")[-1].split("x"))
+                shard = open_shard(path)
+                assert shard.latents.shape[1:] == (4, height // 8, width // 8) and str(shard.latents.dtype) == "float16"
+                assert shard.input_ids.shape[1] == 77
     uncond = load_file(ws / "models/uncond_embedding.safetensors")["uncond"]
     assert tuple(uncond.shape) == (1, 77, 768)
     trained = [s for s in report["stages"] if s["name"].startswith("train@")]
-    assert [s["metrics"]["unet_params"] for s in trained] == [SD1_UNET_PARAMS] * 7
+    assert [s["metrics"]["unet_params"] for s in trained] == [SD1_UNET_PARAMS] * 8
     assert all(s["metrics"]["steps"] == 2 for s in trained)
 
 
