@@ -118,7 +118,8 @@ def open_shard(path: Path) -> ShardArrays:
         shape = tuple(info["shape"])
         if data_start + end > file_size or end - start != dtype.itemsize * int(np.prod(shape)):
             raise InputError(f"{path}: tensor {name!r} is truncated; delete the shard and re-run encode_latents")
-        arrays[name] = np.memmap(path, dtype=dtype, mode="r", offset=data_start + start, shape=shape)
+        # a str, not a Path: numpy.memmap resolve()s a Path (~0.4 ms of syscalls per file at 200 files)
+        arrays[name] = np.memmap(str(path), dtype=dtype, mode="r", offset=data_start + start, shape=shape)
     if arrays["latents"].shape[0] != arrays["input_ids"].shape[0]:
         raise InputError(f"{path}: latents and input_ids disagree on the row count; re-run encode_latents")
     return ShardArrays(arrays["latents"], arrays["input_ids"], header.get("__metadata__") or {})
