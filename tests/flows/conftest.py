@@ -56,8 +56,8 @@ MINI_PHASES = ("phase1", "phase2")
 def _mini_params() -> dict:
     """The repo's params.yaml with two phases (so it still validates with ``load_params``)."""
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    phases = list(params["phases"].items())[: len(MINI_PHASES)]
-    params["phases"] = dict(phases)
+    params["phases"] = {name: params["phases"][name] for name in MINI_PHASES}
+    params["phases"][MINI_PHASES[0]]["init_from"] = "scratch"  # the demo's phase 1 starts from phase 0
     return params
 
 
