@@ -2,7 +2,7 @@
 
 ``python -m tools.kill_harness --kills 20 --seed 0`` clones this repository (``git clone`` of
 HEAD) into a temp dir, shrinks ``params.yaml`` with the end-to-end test's profile
-(``tools.tiny_demo.shrink``: 2 phases, 96 + 48 images, 30 VAE steps, 8 + 3 training steps,
+(``tools.tiny_demo.shrink``: 2 phases at 2 resolutions, 96 + 48 images, 30 VAE steps, a few training steps,
 checkpoint every 3 steps) and
 
 1. runs ``dvc repro`` once uninterrupted (the reference) and records per-stage durations and hashes;
