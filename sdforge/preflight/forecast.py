@@ -89,7 +89,12 @@ def full_images(full: dict[str, Any]) -> dict[str, int]:
 
 
 def full_train_samples(full: dict[str, Any]) -> int:
-    """Σ over phases of ``samples × epochs``: the images the full run trains on."""
+    """Σ over phases of ``samples × epochs``: the images the full run trains on.
+
+    Every sample is projected at the measured training rate, whatever its phase's resolution:
+    a 256² phase (``phase0``) costs ~4.5× less per sample than the 512² phases, so its share of
+    the train forecast is an upper bound.
+    """
     return sum(int(p["samples"]) * int(p["epochs"]) for p in full.get("phases", {}).values())
 
 

@@ -31,7 +31,7 @@ def test_derived_params_load_and_keep_the_full_configuration(tmp_path):
     assert typed.models.unet.model_dump() == load_params(REPO / "configs/full/params.yaml").models.unet.model_dump()
     assert params["models"]["noise"] == FULL["models"]["noise"]
     assert params["models"]["missing_weights"] == "random"
-    assert list(params["phases"]) == list(FULL["phases"]) == [f"phase{i}" for i in range(1, 8)]
+    assert list(params["phases"]) == list(FULL["phases"]) == [f"phase{i}" for i in range(0, 8)]
     for name, phase in params["phases"].items():
         assert {k: phase[k] for k in KEPT_PHASE_KEYS} == {k: FULL["phases"][name][k] for k in KEPT_PHASE_KEYS}
     for key in ("mixed_precision", "gradient_checkpointing", "channels_last", "ema_decay", "adam_betas", "grad_clip"):
@@ -101,13 +101,13 @@ def test_forecast_projects_from_the_measured_rates():
     assert fetch.pod_hours == pytest.approx(round(2_329_280 / 1000 / 3600, 2))
     train = by_stage["train"]
     assert train.rate == pytest.approx(1 / 25)  # first step of each phase dropped
-    assert train.full_work == full_train_samples(FULL) == 23_345_948
-    assert train.device_hours == pytest.approx(round(23_345_948 * 25 / 3600, 2))
-    assert train.pod_hours == pytest.approx(round(23_345_948 / 100 / 3600, 2))
+    assert train.full_work == full_train_samples(FULL) == 28_545_948
+    assert train.device_hours == pytest.approx(round(28_545_948 * 25 / 3600, 2))
+    assert train.pod_hours == pytest.approx(round(28_545_948 / 100 / 3600, 2))
     assert by_stage["encode_latents"].rate == pytest.approx(0.5)
     assert by_stage["prepare_models"].pod_hours is None and train.peak_rss_gib == 18.0
     assert totals["peak_rss_gib"] == 18.0
-    assert totals["full_optimizer_steps"] == full_optimizer_steps(FULL, 2) == 243_190
+    assert totals["full_optimizer_steps"] == full_optimizer_steps(FULL, 2) == 297_357
     assert totals["pod_cost"] == pytest.approx(round(totals["pod_hours"] * 2 * 2.0, 0), abs=1)
     text = table(rows, totals, "cpu")
     assert text.count("\n| ") == 4 and "assumed figures" in text
