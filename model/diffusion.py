@@ -139,6 +139,16 @@ def optimizer_steps(samples_per_rank: int, batch_size: int, grad_accum: int, epo
     return math.ceil(batches / grad_accum) * epochs
 
 
+def training_noise(latents: torch.Tensor, generator: Generators, noise_offset: float = 0.0) -> torch.Tensor:
+    """Gaussian noise shaped like ``latents`` (on their device), plus ``noise_offset`` times a per-sample,
+    per-channel constant (Guttenberg 2023, the diffusers ``--noise_offset``), drawn in that order."""
+    randn = partial(torch.randn, dtype=torch.float32)
+    noise = draw(generator, tuple(latents.shape), randn)
+    if noise_offset:
+        noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
+    return noise.to(latents.device)
+
+
 def denoising_loss(
     unet: torch.nn.Module,
     scheduler: DDPMScheduler,
@@ -148,23 +158,25 @@ def denoising_loss(
     min_snr_gamma: float | None,
     noise_offset: float = 0.0,
     logit_normal: tuple[float, float] | None = None,
+    input_perturbation: float = 0.0,
 ) -> torch.Tensor:
     """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE.
 
-    ``noise_offset`` adds a per-sample, per-channel constant to the noise (Guttenberg 2023, the
-    diffusers ``--noise_offset``): without it the scaled-linear schedule leaks the latents'
+    ``noise_offset`` (:func:`training_noise`): without it the scaled-linear schedule leaks the latents'
     low-frequency content even at t≈999, so the model learns global colour from the noisy input
-    instead of from the prompt. Noise and timesteps are drawn from the CPU ``generator``; timesteps
-    uniformly, or logit-normal with ``logit_normal = (mean, std)`` (:func:`sample_timesteps`).
+    instead of from the prompt. Timesteps uniformly, or logit-normal with ``logit_normal = (mean, std)``
+    (:func:`sample_timesteps`). ``input_perturbation`` γ (Ning et al. 2023, diffusers
+    ``--input_perturbation``): the UNet's input is noised with ``noise + γ·ξ``, the target keeps ``noise``.
+    Draws per sample, in this order: noise, offset, timestep, ξ — all from the CPU ``generator``.
     """
-    randn = partial(torch.randn, dtype=torch.float32)
-    noise = draw(generator, tuple(latents.shape), randn)
-    if noise_offset:
-        noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
-    noise = noise.to(latents.device)
+    noise = training_noise(latents, generator, noise_offset)
     timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator, logit_normal)
     timesteps = timesteps.to(latents.device)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
+    model_noise = noise
+    if input_perturbation:
+        xi = draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)).to(latents.device)
+        model_noise = noise + input_perturbation * xi
+    noisy = scheduler.add_noise(latents, model_noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample
     target = training_target(scheduler, latents, noise, timesteps)
     return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma))

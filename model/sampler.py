@@ -1,14 +1,18 @@
-"""Text-to-image sampling: DDIM with classifier-free guidance and a real negative prompt.
+"""Text-to-image sampling: DDIM (diffusion phases) or Euler (flow-matching phases) with classifier-free
+guidance and a real negative prompt.
 
 One sampler for the eval grid, ``sdforge generate`` and validation during training.
 The DDIM scheduler never clamps the predicted x0 (SD latents have std ≈ 4 before scaling;
-the reference run's ``clamp(-1, 1)`` was a bug), and uses the training betas.
+the reference run's ``clamp(-1, 1)`` was a bug), and uses the training betas. Both are diffusers
+schedulers that ``StableDiffusionPipeline`` runs, so an exported folder samples what we sample.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDIMScheduler, DPMSolverMultistepScheduler, SchedulerMixin, UNet2DConditionModel
+
+OBJECTIVES = ("diffusion", "flow_matching")
 
 
 def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
@@ -32,6 +36,38 @@ def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
     return DDIMScheduler(**cfg, clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing=spacing)
 
 
+def flow_euler_scheduler(num_train_timesteps: int = 1000, shift: float = 1.0) -> DPMSolverMultistepScheduler:
+    """The Euler sampler for flow-matching phases, as a diffusers scheduler that ``StableDiffusionPipeline`` runs.
+
+    First-order DPM-Solver++ on flow sigmas (``use_flow_sigmas``, ``prediction_type="flow_prediction"``): it
+    predicts ``x0 = x − σ·v`` and steps to ``(1 − σ')·x0 + σ'·(x + (1 − σ)·v)``, which is ``x + (σ' − σ)·v``,
+    the Euler step (tests/model/test_flow_matching.py checks it against the Euler update to 1e-6). Steps go
+    from σ = 0.999 to 0 evenly (shifted by ``shift``); the UNet sees ``⌊σ·1000⌋``. diffusers'
+    ``FlowMatchEulerDiscreteScheduler`` does the same maths but has no ``init_noise_sigma``, which
+    ``StableDiffusionPipeline`` reads (AttributeError in diffusers 0.42), so the export could not use it.
+    """
+    return DPMSolverMultistepScheduler(
+        num_train_timesteps=num_train_timesteps,
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        flow_shift=shift,
+        solver_order=1,
+        algorithm_type="dpmsolver++",
+        final_sigmas_type="zero",
+        steps_offset=1,  # unused by flow sigmas; StableDiffusionPipeline rewrites any other value (with a warning)
+    )
+
+
+def sampling_scheduler(train_scheduler_config: dict, objective: str = "diffusion", flow_shift: float = 1.0):
+    """The sampler's scheduler for a checkpoint trained with ``objective``: :func:`ddim_from_training` for
+    diffusion, :func:`flow_euler_scheduler` (same ``num_train_timesteps``) for flow matching."""
+    if objective == "diffusion":
+        return ddim_from_training(train_scheduler_config)
+    if objective == "flow_matching":
+        return flow_euler_scheduler(train_scheduler_config.get("num_train_timesteps", 1000), flow_shift)
+    raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}; got {objective!r}")
+
+
 @torch.no_grad()
 def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.device | str) -> torch.Tensor:
     """``last_hidden_state`` of the text encoder for ``prompts`` padded/truncated to the model length."""
@@ -44,7 +80,7 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.de
 @torch.no_grad()
 def sample_latents(
     unet: UNet2DConditionModel,
-    scheduler: DDIMScheduler,
+    scheduler: SchedulerMixin,
     cond: torch.Tensor,
     uncond: torch.Tensor,
     *,
@@ -53,7 +89,8 @@ def sample_latents(
     latent_shape: tuple[int, int, int],
     generators: list[torch.Generator],
 ) -> torch.Tensor:
-    """DDIM sampling with CFG: ``ε = ε_u + s·(ε_c − ε_u)``; returns latents ``[B, C, h, w]``.
+    """Sampling with CFG, ``out = out_u + s·(out_c − out_u)`` on the UNet's output (ε, v or flow velocity), with
+    ``scheduler``'s steps (:func:`sampling_scheduler`); returns latents ``[B, C, h, w]``.
 
     ``uncond`` is the negative-prompt embedding (``[1|B, L, D]``). Sample ``i``'s initial noise
     comes from ``generators[i]`` on the CPU, so an image depends only on its own seed — not on
