@@ -47,7 +47,8 @@ from model.precision import uses_bf16_autocast
 from sdforge.config import load_params
 from sdforge.training.checkpoints import Progress
 from sdforge.training.distributed import Dist
-from sdforge.training.trainer import Trainer, _adamw
+from sdforge.training.optimizers import build_optimizer
+from sdforge.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yaml"}
@@ -100,14 +101,15 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_=False):
     tr.dist = Dist(rank=0, world=1, local_rank=0, device=device)
     tr.scheduler = noise_scheduler(params.models.noise.model_dump())
     tr.unet = tr.model = _build_unet(params, device, ckpt, tr.cfg.channels_last)
+    tr.objective, tr.trainable = "diffusion", list(tr.unet.parameters())
     if compile_:
         tr.model = torch.compile(tr.unet)
     d = params.models.unet.cross_attention_dim
     tr.text_encoder = _Embeddings(torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device))
     tr.uncond = torch.zeros(1, 77, d, device=device)
-    tr.optimizer = _adamw(tr.unet.parameters(), tr.phase.lr, tr.cfg, device)
+    tr.optimizer = build_optimizer("adamw", tr.trainable, tr.phase.lr, tr.cfg, device, "bench")
     tr.lr_scheduler = build_lr_scheduler(tr.optimizer, tr.phase.warmup_steps, 10**6)
-    tr.ema = TrainingEMA(tr.unet.parameters(), decay=tr.cfg.ema_decay, every=tr.cfg.ema_update_every)
+    tr.ema = TrainingEMA(tr.trainable, decay=tr.cfg.ema_decay, every=tr.cfg.ema_update_every)
     tr.ema.to(device if tr.cfg.ema_device == "model" else torch.device("cpu"))
     tr.generator = torch.Generator().manual_seed(0)
     tr.progress = Progress()

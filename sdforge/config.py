@@ -17,7 +17,7 @@ import logging
 import re
 import string
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -186,6 +186,16 @@ class Storage(Section):
     """``s3://bucket/prefix``: ``--artifacts-destination`` of the MLflow server ``tools.stack up --mlflow`` starts."""
 
 
+class DemoConcept(Section):
+    """A colour word that only a small extra demo source shows (``<demo_source>/concept/``): what the demo's
+    adapter phase teaches a model that has never seen it."""
+
+    colour: str
+    rgb: RGB
+    images: int = Field(96, ge=1)
+    """Images in the concept source: its colour on every shape and background, in turn, on ``canvases``."""
+
+
 class DemoData(Section):
     """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
 
@@ -215,6 +225,14 @@ class DemoData(Section):
     held_out: list[tuple[str, str, str]] = []
     """(colour, shape, background) combinations the corpus never shows (nor the VAE's training renders):
     eval prompts that ask for them measure whether the model composes words it saw only apart."""
+    concept: DemoConcept | None = None
+    """A new colour word for the adapter phase; the LAION and DiffusionDB parts never show it (nor the VAE)."""
+
+    @model_validator(mode="after")
+    def _concept_is_new(self) -> DemoData:
+        if self.concept is not None and self.concept.colour in self.colours:
+            raise ValueError(f"concept.colour {self.concept.colour!r} is already a demo colour: it would not be new")
+        return self
 
     @model_validator(mode="after")
     def _names_disjoint(self) -> DemoData:
@@ -251,6 +269,16 @@ class DemoData(Section):
     def is_held_out(self, colour: str, shape: str, background: str) -> bool:
         """Whether the corpus never shows this combination."""
         return (colour, shape, background) in set(self.held_out)
+
+    def is_concept(self, colour: str) -> bool:
+        """Whether ``colour`` is the concept colour (only the concept source shows it)."""
+        return self.concept is not None and colour == self.concept.colour
+
+    @property
+    def palette(self) -> dict[str, RGB]:
+        """Every colour the demo draws and the probe reads: ``colours`` plus the concept's."""
+        extra = {self.concept.colour: self.concept.rgb} if self.concept else {}
+        return {**self.colours, **extra}
 
     @property
     def canvas_sizes(self) -> list[tuple[int, int]]:
@@ -573,11 +601,8 @@ class Train(Section):
     adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    noise_offset: float = Field(0.0, ge=0)
-    """Per-channel noise offset (diffusers ``--noise_offset``; 0 = off)."""
-    timestep_logit_normal: tuple[float, Annotated[float, Field(gt=0)]] | None = None
-    """``[mean, std]``: draw training timesteps logit-normal (SD3) instead of uniform; mean > 0 favours high
-    noise (:func:`model.diffusion.sample_timesteps`). null: uniform, as SD 1.x."""
+    objective: Literal["diffusion", "flow_matching"] = "diffusion"
+    """The default of ``phases.<p>.objective`` (one key switches every phase that does not set its own)."""
     ema_decay: float = Field(0.9999, gt=0, lt=1)
     save_steps: int = Field(0, ge=0)
     """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""
@@ -629,6 +654,35 @@ class Train(Section):
         return self
 
 
+AdapterTarget = Literal[
+    "self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding", "pooled_text"
+]
+ADAPTER_TARGETS = get_args(AdapterTarget)
+"""Layer groups an adapter may target; their diffusers module names are in :mod:`model.adapters` (``UNET_GROUPS``)."""
+
+class Adapter(Section):
+    """Train a LoRA or DoRA (peft) on the phase's init weights instead of every UNet weight."""
+
+    type: Literal["lora", "dora"] = "lora"
+    rank: int = Field(4, ge=1)
+    alpha: float | None = Field(None, gt=0)
+    """LoRA scale numerator: the update is ``alpha / rank · B·A``; null: ``rank`` (scale 1)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[AdapterTarget] = ["self_attention"]
+    """Layer groups in words (:data:`ADAPTER_TARGETS`); mapped to diffusers module names in :mod:`model.adapters`."""
+    merge: bool = True
+    """true: ``unet/`` and ``unet_ema/`` hold base + adapter merged (what the next phase, the eval grid and
+    export use); false: they hold the base unchanged and the eval grid, ``generate`` and export apply
+    ``adapter_ema/`` (``adapter/``) on top; the next phase then continues from the base."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_distinct(cls, targets: list[str]) -> list[str]:
+        if not targets or len(set(targets)) != len(targets):
+            raise ValueError(f"targets must name each layer group once, at least one of {ADAPTER_TARGETS}")
+        return targets
+
+
 class Phase(Section):
     """One training phase: its data mix and hyper-parameters."""
 
@@ -654,6 +708,28 @@ class Phase(Section):
     grad_accum: int = Field(1, ge=1)
     resolution: SafeName | None = None
     """The bucket set (a name under ``buckets``) the phase trains on; None: the only one defined."""
+    objective: Literal["diffusion", "flow_matching"] | None = None
+    """diffusion: noise prediction with ``models.noise`` (ε or v, DDIM sampling); flow_matching: rectified
+    flow (velocity ``ε − x0`` on ``x_σ = (1−σ)·x0 + σ·ε``, Euler sampling). null: ``train.objective``.
+    docs/OBJECTIVES.md says what changes when a phase switches objective from its init."""
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    """How training timesteps (diffusion) or σ (flow matching) are drawn: uniform (SD 1.x), or
+    ``sigmoid(mean + std·z)`` (SD3) with ``logit_normal``'s ``[mean, std]``."""
+    logit_normal: tuple[float, Annotated[float, Field(gt=0)]] = (0.0, 1.0)
+    """``[mean, std]`` of ``timestep_sampling: logit_normal``; mean > 0 favours high noise."""
+    flow_shift: float = Field(1.0, gt=0)
+    """Flow matching: σ ↦ shift·σ / (1 + (shift − 1)·σ) in training and sampling (SD3: 3.0 at 1024²)."""
+    noise_offset: float = Field(0.0, ge=0)
+    """Per-sample, per-channel constant added to the noise, times this (diffusers ``--noise_offset``; 0: off)."""
+    input_perturbation: float = Field(0.0, ge=0)
+    """The model's input is noised with ``noise + γ·ξ`` while the target keeps ``noise`` (Ning et al. 2023;
+    diffusers ``--input_perturbation``; 0: off)."""
+    optimizer: Literal["adamw", "adamw8bit", "prodigy"] = "adamw"
+    """adamw (torch; fused on CUDA); adamw8bit (bitsandbytes, 8-bit states; installed apart:
+    ``pip install bitsandbytes``); prodigy (``prodigyopt``: the LR is found by D-adaptation, so ``lr`` is
+    a multiplier, usually 1.0)."""
+    adapter: Adapter | None = None
+    """Train a LoRA/DoRA on the init weights instead of the whole UNet (null: a full fine-tune)."""
 
     @property
     def mix_is_counts(self) -> bool:
@@ -823,6 +899,10 @@ class Params(Section):
         """The bucket set phase ``phase`` trains on."""
         return self.phases[phase].resolution or next(iter(self.bucket_sets()))
 
+    def phase_objective(self, phase: str) -> str:
+        """``diffusion`` or ``flow_matching``: the phase's own ``objective``, else ``train.objective``."""
+        return self.phases[phase].objective or self.train.objective
+
     @model_validator(mode="after")
     def _resolutions_defined(self) -> Params:
         sets = self.bucket_sets()
@@ -836,6 +916,16 @@ class Params(Section):
                 raise ValueError(
                     f"phases.{name}.resolution: '{phase.resolution}' is not encoded; encoded bucket sets: "
                     f"{self.encoded_resolutions()} (see 'buckets' and encode.resolutions)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _min_snr_only_for_diffusion(self) -> Params:
+        for name, phase in self.phases.items():
+            if self.phase_objective(name) == "flow_matching" and phase.min_snr_gamma is not None:
+                raise ValueError(
+                    f"phases.{name}.min_snr_gamma: Min-SNR-γ weights the diffusion objective's timesteps; set it "
+                    "to null for a flow_matching phase"
                 )
         return self
 

@@ -7,7 +7,8 @@ metrics JSON and logs to MLflow; the launcher only waits and forwards SIGTERM/SI
 Resumable: checkpoints go to ``${paths.runs}/<phase>/`` (not a DVC output, so they survive a
 killed ``dvc repro``); a rerun with the same inputs continues from the newest good checkpoint
 mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_ema/`` (EMA),
-``state.json``; ``${paths.metrics}/train_loss/<phase>.csv``: the phase's loss curve. The loop itself is
+``state.json`` (objective, flow shift, adapter), and for an adapter phase ``adapter/`` / ``adapter_ema/`` (diffusers
+LoRA files; docs/ADAPTERS.md); ``${paths.metrics}/train_loss/<phase>.csv``: the phase's loss curve. The loop itself is
 :mod:`sdforge.training.trainer`.
 """
 
@@ -104,7 +105,8 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
             trained * tr.phase.batch_size * tr.phase.grad_accum * dist.world / max(elapsed, 1e-9), 2
         ),
     }
-    metrics.update(resolution=params.phase_resolution(phase_name), **tr.bucket_counts)
+    metrics.update(resolution=params.phase_resolution(phase_name), objective=tr.objective, **tr.bucket_counts)
+    metrics.update(tr.parameter_counts())
     if dist.is_main:
         curve = loss_curve_path(paths.metrics, phase_name)
         metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)

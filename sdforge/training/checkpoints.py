@@ -1,7 +1,8 @@
 """Training checkpoints: atomic directory writes, a verified manifest, retention, newest-good discovery.
 
 Layout of one checkpoint ``<run_dir>/checkpoint-<step:08d>/``:
-- ``unet/`` — live weights (``save_pretrained``, safetensors);
+- ``unet/`` — live weights (``save_pretrained``, safetensors); an adapter phase writes ``adapter/`` instead
+  (the trained tensors only: :meth:`sdforge.training.trainer.Trainer.write_live_weights`);
 - ``state.pt`` — optimizer, LR scheduler, EMA (shadow params), progress (step/epoch/batch), loss;
 - ``rng-rank<k>.pt`` — one per rank: python ``random``, numpy, torch CPU/CUDA and the rank's generator;
 - ``config.json`` — the resolved params the run was started with;
@@ -165,7 +166,7 @@ def verify_checkpoint(ckpt: Path) -> dict[str, Any]:
 def save_checkpoint(
     run_dir: Path,
     progress: Progress,
-    unet: Any,
+    write_weights: Callable[[Path], None],
     state: dict[str, Any],
     retention: Retention,
     *,
@@ -175,7 +176,8 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint atomically (temp dir, manifest last, ``os.replace``), then prune by ``retention``.
 
-    ``rng`` holds one RNG state per rank (index = rank; its length is the world size); ``loss`` is the
+    ``write_weights(folder)`` writes the live weights into the checkpoint's (temporary) folder. ``rng`` holds
+    one RNG state per rank (index = rank; its length is the world size); ``loss`` is the
     mean training loss since the previous checkpoint (for ``keep_best``).
     """
     rng = rng or []
@@ -183,7 +185,7 @@ def save_checkpoint(
     tmp = run_dir / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    write_weights(tmp)
     torch.save({**state, "progress": vars(progress).copy(), "loss": loss}, tmp / STATE)
     for rank, rank_rng in enumerate(rng):
         torch.save(rank_rng, rng_path(tmp, rank))
@@ -236,7 +238,7 @@ def load_state(ckpt: Path, rank: int = 0, world: int = 1, verify: bool = True) -
     state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
     state["rng"] = torch.load(rng_path(ckpt, rank), map_location="cpu", weights_only=True)
     if verify:
-        for weights in (ckpt / "unet").glob("*.safetensors"):
+        for weights in ckpt.rglob("*.safetensors"):
             with safe_open(weights, "pt"):  # header parses
                 pass
     return state

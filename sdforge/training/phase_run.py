@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sdforge.io import write_json
+from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
 from sdforge.training.trainer import LOSS_TAIL, Trainer
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def prepare_run_dir(run_dir: Path, fp: str, is_main: bool) -> None:
 
 
 def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:
-    """Write ``unet/`` (live), ``unet_ema/`` and ``state.json`` — the phase's DVC output.
+    """Write ``unet/`` (live), ``unet_ema/`` and ``state.json`` — the phase's DVC output; an adapter phase also
+    writes ``adapter/`` (live) and ``adapter_ema/`` (diffusers LoRA files, :mod:`sdforge.training.adapter_files`).
 
     Called once training is over (the last resumable checkpoint is on disk): the optimizer state is
     released first and the EMA weights are copied into ``tr.unet`` itself rather than swapped through a
@@ -66,18 +68,29 @@ def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:
     out_dir.mkdir(parents=True)
     tr.optimizer.state.clear()
     gc.collect()
-    tr.unet.save_pretrained(out_dir / "unet", safe_serialization=True)
-    tr.ema.copy_to(tr.unet.parameters())
-    tr.unet.save_pretrained(out_dir / "unet_ema", safe_serialization=True)
-    write_json(
-        out_dir / "state.json",
-        {
-            "phase": tr.phase_name,
-            "step": tr.progress.step,
-            "epochs": tr.progress.epoch,
-            "final_loss": final_loss,
-        },
-    )
+    _write_weights(tr, out_dir, "unet", "adapter")
+    tr.ema.copy_to(tr.trainable)
+    _write_weights(tr, out_dir, "unet_ema", "adapter_ema")
+    state = {
+        "phase": tr.phase_name,
+        "step": tr.progress.step,
+        "epochs": tr.progress.epoch,
+        "final_loss": final_loss,
+        "objective": tr.objective,
+        "flow_shift": tr.phase.flow_shift,
+    }
+    if tr.is_adapter:
+        state["adapter"] = tr.phase.adapter.model_dump()
+    write_json(out_dir / "state.json", state)
+
+
+def _write_weights(tr: Trainer, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
+    """The UNet's current weights as ``out_dir/unet_dir`` (+ ``out_dir/adapter_dir`` for an adapter phase)."""
+    if not tr.is_adapter:
+        tr.unet.save_pretrained(out_dir / unet_dir, safe_serialization=True)
+        return
+    write_lora_folder(tr.unet, out_dir / adapter_dir)
+    write_plain_unet(tr.unet, out_dir / unet_dir, merge=tr.phase.adapter.merge)
 
 
 def tail_mean(values: list[float], n: int = LOSS_TAIL) -> float | None:

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
 from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denoising_loss, optimizer_steps
+from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
 from model.sampler import encode_prompts
-from sdforge.config import SCRATCH, Params, Phase, Train
+from sdforge.config import SCRATCH, Adapter, Params, Phase, Train
 from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
 from sdforge.training.checkpoints import (
     STATE,
@@ -34,10 +36,14 @@ from sdforge.training.checkpoints import (
     save_checkpoint,
 )
 from sdforge.training.distributed import Dist, sample_generators
+from sdforge.training.optimizers import build_optimizer
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
 from sdforge.training.unet_init import load_foreign_weights, load_init_unet
 
 log = logging.getLogger(__name__)
+
+ADAPTER_DIR, ADAPTER_WEIGHTS = "adapter", "adapter_weights.safetensors"
+"""An adapter phase's checkpoint holds the trained tensors only: ``adapter/adapter_weights.safetensors``."""
 
 
 class Trainer:
@@ -54,10 +60,13 @@ class Trainer:
         index = Path(paths.mixes) / f"{phase_name}.parquet"
         self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
         self._load_conditioning(models)
+        self.objective = params.phase_objective(phase_name)
         self.unet = _load_phase_unet(params, self.phase, dist.device)
+        self.trainable = [p for _, p in self.trainable_named()]
+        """What the optimizer, gradient clipping and the EMA see: every UNet weight, or the adapter's only."""
         self.model = _wrap_ddp(self.unet, dist)
         self._build_schedule()
-        self.ema, self.ema_device = _build_ema(self.unet, self.cfg, dist.device)
+        self.ema, self.ema_device = _build_ema(self.unet, self.trainable, self.cfg, dist.device)
         # Same state on every rank: per-sample streams are split off it
         # (sdforge.training.distributed.sample_generators).
         self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
@@ -75,7 +84,8 @@ class Trainer:
     def _build_schedule(self) -> None:
         """The optimizer, the step counts of this phase and its LR schedule."""
         phase, world = self.phase, self.dist.world
-        self.optimizer = _adamw(self.unet.parameters(), phase.lr, self.cfg, self.dist.device)
+        where = f"phases.{self.phase_name}.optimizer"
+        self.optimizer = build_optimizer(phase.optimizer, self.trainable, phase.lr, self.cfg, self.dist.device, where)
         self.epoch_lengths, self.bucket_counts = epochs_summary(
             self.data, phase.epochs, self.cfg.seed, world, phase.batch_size, self.cfg.bucket_tail
         )
@@ -89,7 +99,51 @@ class Trainer:
             self.data.sample_bucket, epoch, self.cfg.seed, dist.rank, dist.world, phase.batch_size, self.cfg.bucket_tail
         )
 
+    def trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trained weights by name (all of the UNet's, or the adapter's), in a fixed order."""
+        return [(n, p) for n, p in self.unet.named_parameters() if p.requires_grad]
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.phase.adapter is not None
+
+    def parameter_counts(self) -> dict:
+        """``trainable_params`` (what the optimizer updates), ``unet_params`` (the UNet without adapters), share."""
+        trainable, base = count_parameters(self.unet)
+        return {"trainable_params": trainable, "unet_params": base, "trainable_share": round(trainable / base, 6)}
+
     # -- checkpoint state ------------------------------------------------------------------
+    def write_live_weights(self, ckpt: Path) -> None:
+        """The live weights into checkpoint folder ``ckpt``: ``unet/`` (diffusers), or for an adapter phase
+        ``adapter/adapter_weights.safetensors`` (the trained tensors by name; the frozen base is the init's)."""
+        if not self.is_adapter:
+            self.unet.save_pretrained(ckpt / "unet", safe_serialization=True)
+            return
+        (ckpt / ADAPTER_DIR).mkdir(parents=True)
+        tensors = {n: p.detach().cpu().contiguous() for n, p in self.trainable_named()}
+        save_file(tensors, ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS)
+
+    def _load_live_weights(self, ckpt: Path) -> None:
+        """Inverse of :meth:`write_live_weights`; a CheckpointError naming the folder when they do not fit."""
+        if not self.is_adapter:
+            live = _checkpoint_unet_weights(ckpt / "unet")
+            try:
+                self.unet.load_state_dict(live)
+            except (RuntimeError, ValueError) as err:
+                raise CheckpointError(f"{ckpt / 'unet'}: does not fit this run's UNet ({_first_line(err)})") from err
+            return
+        path = ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS
+        try:
+            saved = load_file(path)
+        except Exception as err:
+            raise CheckpointError(f"{path}: cannot read the adapter weights ({_first_line(err)})") from err
+        mine = dict(self.trainable_named())
+        if set(saved) != set(mine) or any(saved[n].shape != p.shape for n, p in mine.items()):
+            raise CheckpointError(f"{path}: not this phase's adapter (its tensors differ from adapter: in params)")
+        with torch.no_grad():
+            for name, param in mine.items():
+                param.copy_(saved[name])
+
     def state(self) -> dict:
         """Everything besides the live weights and the per-rank RNG needed to continue bit-exactly."""
         return {
@@ -105,11 +159,7 @@ class Trainer:
         :func:`sdforge.training.resume.restore_newest` can fall back to an older checkpoint; the UNet is read
         from safetensors only (a pickled ``.bin`` is refused, never unpickled).
         """
-        live = _checkpoint_unet_weights(ckpt / "unet")
-        try:
-            self.unet.load_state_dict(live)
-        except (RuntimeError, ValueError) as err:
-            raise CheckpointError(f"{ckpt / 'unet'}: does not fit this run's UNet ({_first_line(err)})") from err
+        self._load_live_weights(ckpt)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -148,16 +198,7 @@ class Trainer:
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
         with no_sync:  # one context (DDP's no_sync() is single-use) around forward and backward
             with autocast:
-                loss = denoising_loss(
-                    self.model,
-                    self.scheduler,
-                    latents.to(dev),
-                    cond,
-                    gens,
-                    self.phase.min_snr_gamma,
-                    self.cfg.noise_offset,
-                    self.cfg.timestep_logit_normal,
-                )
+                loss = phase_loss(self.phase, self.objective, self.model, self.scheduler, latents.to(dev), cond, gens)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"train@{self.phase_name}: non-finite loss {loss.item()} at step {self.progress.step}; "
@@ -168,14 +209,44 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Clip, step, schedule, EMA (every ``ema_update_every`` steps); return the gradient norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.unet.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         if self.progress.step % self.cfg.ema_update_every == 0:
-            self.ema.step(self.unet.parameters())
+            self.ema.step(self.trainable)
         return float(grad_norm)
+
+
+def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Tensor, cond: torch.Tensor, gens):
+    """One micro-batch's loss under the phase's objective and options (timestep sampling, noise offset, input
+    perturbation, flow shift, Min-SNR-γ): :func:`model.diffusion.denoising_loss` or
+    :func:`model.flow_matching.flow_matching_loss`."""
+    logit_normal = tuple(phase.logit_normal) if phase.timestep_sampling == "logit_normal" else None
+    if objective == "flow_matching":
+        return flow_matching_loss(
+            model,
+            latents,
+            cond,
+            gens,
+            num_train_timesteps=scheduler.config.num_train_timesteps,
+            logit_normal=logit_normal,
+            shift=phase.flow_shift,
+            noise_offset=phase.noise_offset,
+            input_perturbation=phase.input_perturbation,
+        )
+    return denoising_loss(
+        model,
+        scheduler,
+        latents,
+        cond,
+        gens,
+        phase.min_snr_gamma,
+        phase.noise_offset,
+        logit_normal,
+        phase.input_perturbation,
+    )
 
 
 def _checkpoint_unet_weights(unet_dir: Path) -> dict[str, torch.Tensor]:
@@ -234,19 +305,33 @@ def _uncond_embedding(models: Path, tokenizer, text_encoder, device: torch.devic
 
 
 def _load_phase_unet(params: Params, phase: Phase, device: torch.device):
-    """The phase's starting UNet (``init_from``, then ``init_path``) on ``device``, set up for training."""
+    """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on ``device``,
+    set up for training."""
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
     unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
     if phase.init_path:
         load_foreign_weights(unet, Path(phase.init_path))
+    if phase.adapter is not None:
+        _add_unet_adapter(unet, phase.adapter)
     unet.to(device).train()
     if cfg.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
     return unet
+
+
+def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter) -> None:
+    """Freeze ``unet`` and add the phase's LoRA/DoRA (:mod:`model.adapters`); log trainable vs total weights."""
+    config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, target_pattern(spec.targets, UNET_GROUPS))
+    add_adapter(unet, config)
+    n_train, n_base = count_parameters(unet)
+    log.info(
+        "%s adapter rank %d on %s: %d trainable weights, %.2f %% of the UNet's %d",
+        spec.type, spec.rank, ", ".join(spec.targets), n_train, 100 * n_train / n_base, n_base,
+    )
 
 
 def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
@@ -261,10 +346,10 @@ def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     return unet
 
 
-def _build_ema(unet, cfg: Train, device: torch.device):
-    """The EMA of ``unet``'s weights and the device it lives on (``train.ema_device``: model or cpu)."""
+def _build_ema(unet, trainable: list[torch.nn.Parameter], cfg: Train, device: torch.device):
+    """The EMA of the trained weights and the device it lives on (``train.ema_device``: model or cpu)."""
     ema = TrainingEMA(
-        unet.parameters(),
+        trainable,
         decay=cfg.ema_decay,
         every=cfg.ema_update_every,
         model_cls=UNet2DConditionModel,
@@ -273,16 +358,6 @@ def _build_ema(unet, cfg: Train, device: torch.device):
     ema_device = device if cfg.ema_device == "model" else torch.device("cpu")
     ema.to(ema_device)
     return ema, ema_device
-
-
-def _adamw(parameters, lr: float, cfg: Train, device: torch.device) -> torch.optim.AdamW:
-    kwargs = dict(lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    if device.type == "cuda":
-        try:
-            return torch.optim.AdamW(parameters, fused=True, **kwargs)
-        except (RuntimeError, TypeError) as err:
-            log.warning("fused AdamW unavailable (%s); using the default implementation", err)
-    return torch.optim.AdamW(parameters, **kwargs)
 
 
 LOSS_TAIL = 20
@@ -388,7 +463,8 @@ class _Checkpointer:
             config = tr.params.model_dump(mode="json")
             state = {**tr.state(), "recent_losses": tail}
             path = save_checkpoint(
-                self.run_dir, tr.progress, tr.unet, state, self.retention, rng=rng, loss=loss, config=config
+                self.run_dir, tr.progress, tr.write_live_weights, state, self.retention, rng=rng, loss=loss,
+                config=config,
             )
             if self.uploader:
                 self.uploader.submit(path)

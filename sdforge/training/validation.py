@@ -34,9 +34,18 @@ class Validator:
     def images(self, tr) -> list[np.ndarray]:
         """One RGB uint8 image per validation prompt from ``tr``'s EMA weights; the live weights are put back."""
         unet = tr.unet
-        pipe = Pipeline(unet, self.vae, tr.text_encoder, tr.tokenizer, dict(tr.scheduler.config), checkpoint_hash="")
-        tr.ema.store(unet.parameters())
-        tr.ema.copy_to(unet.parameters())
+        pipe = Pipeline(
+            unet,
+            self.vae,
+            tr.text_encoder,
+            tr.tokenizer,
+            dict(tr.scheduler.config),
+            checkpoint_hash="",
+            objective=tr.objective,
+            flow_shift=tr.phase.flow_shift,
+        )
+        tr.ema.store(tr.trainable)
+        tr.ema.copy_to(tr.trainable)
         unet.eval()
         try:
             return generate(
@@ -50,4 +59,4 @@ class Validator:
             )
         finally:
             unet.train()
-            tr.ema.restore(unet.parameters())
+            tr.ema.restore(tr.trainable)

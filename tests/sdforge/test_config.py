@@ -24,13 +24,15 @@ def _broken(demo_dict, mutate):
     return str(err.value)
 
 
-def test_demo_params_load_with_phase0_and_seven_phases():
+def test_demo_params_load_with_phase0_seven_phases_and_the_adapter_phase():
     p = load_params("params.yaml")
-    assert p.phase_names() == [f"phase{i}" for i in range(0, 8)]
-    assert set(p.sources) == {"laion", "diffusiondb"}
+    assert p.phase_names() == [f"phase{i}" for i in range(0, 9)]
+    assert set(p.sources) == {"laion", "diffusiondb", "concept"}
     assert p.phases["phase0"].init_from == "scratch" and p.phases["phase1"].init_from == "phase0"
-    assert p.phases["phase7"].init_from == "phase6"
-    assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 7
+    assert p.phases["phase7"].init_from == "phase6" and p.phases["phase8"].init_from == "phase7"
+    assert [p.phases[n].adapter is not None for n in p.phases] == [False] * 8 + [True]
+    assert {p.phase_objective(n) for n in p.phases} == {"diffusion"}
+    assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 8
     assert {k: shapes_of(v) for k, v in p.bucket_sets().items()} == {
         "px24": [(20, 28), (24, 24), (28, 20), (32, 16)],
         "px32": [(24, 40), (32, 32), (40, 24)],

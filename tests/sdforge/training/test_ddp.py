@@ -111,3 +111,33 @@ def test_ddp_matches_one_process_with_double_batch(two_ranks, one_process):
     m_one = json.loads((one / "metrics/train/phase1.json").read_text())
     assert m_two["steps"] == m_one["steps"] == 6
     assert m_two["final_loss"] == pytest.approx(m_one["final_loss"], rel=1e-4)
+
+
+
+@pytest.mark.slow
+def test_an_adapter_phase_under_ddp_matches_one_process_with_double_batch(tmp_path_factory):
+    """Phase 2 as a LoRA on a trained phase 1 (the same weights in both workspaces): the adapter, the only weights
+    that train, agrees between 2 ranks × batch 4 and one process × batch 8 to the full-phase tolerance (~90 s)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    roots = {nproc: tmp_path_factory.mktemp(f"adapter-ddp{nproc}") for nproc in (1, 2)}
+    params = {nproc: build_workspace(root) for nproc, root in roots.items()}
+    assert train(params[1], "phase1").returncode == 0
+    shutil.copytree(roots[1] / "checkpoints/phase1", roots[2] / "checkpoints/phase1")
+    for nproc, batch in ((1, 8), (2, 4)):
+        data = yaml.safe_load(params[nproc].read_text())
+        data["train"]["nproc_per_node"] = nproc
+        adapter = {"rank": 2, "targets": ["self_attention", "cross_attention"]}
+        data["phases"]["phase2"].update(batch_size=batch, lr=5e-3, adapter=adapter)
+        params[nproc].write_text(yaml.safe_dump(data))
+        done = train(params[nproc], "phase2")
+        assert done.returncode == 0, done.stderr[-4000:]
+    for sub in ("adapter", "adapter_ema"):
+        a, b = (load_file(roots[n] / "checkpoints/phase2" / sub / "pytorch_lora_weights.safetensors") for n in (2, 1))
+        assert a.keys() == b.keys() and a
+        diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        moved = max(float(b[k].double().abs().max()) for k in b if ".lora.up." in k)  # lora_B starts at zero
+        print(f"{sub}: max |2 ranks x B - 1 process x 2B| = {diff:.3g} (largest lora_B entry {moved:.3g})")
+        assert moved > 1e-4 and diff <= MAX_ABS_DIFF, f"{sub}: DDP differs from the 1-process run by {diff:.3g}"

@@ -1,0 +1,55 @@
+"""An adapter phase's weight folders: the LoRA file diffusers' ``load_lora_weights`` reads, and plain UNets.
+
+``adapter/`` and ``adapter_ema/`` hold ``pytorch_lora_weights.safetensors`` in diffusers' format (keys
+``unet.<module>.lora_A/B.weight``, and ``lora_magnitude_vector`` for DoRA), with the peft config (rank,
+alpha, DoRA) in its metadata, so ``StableDiffusionPipeline.load_lora_weights(folder)`` on the phase's base
+rebuilds the same adapter. ``unet/`` and ``unet_ema/`` are ordinary diffusers UNet folders: the base with the
+adapter merged, or the base alone (``adapter.merge: false``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from diffusers.loaders import StableDiffusionLoraLoaderMixin
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from model.adapters import merged, plain_state_dict
+
+log = logging.getLogger(__name__)
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+UNET_FILE = "diffusion_pytorch_model.safetensors"
+
+
+def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
+    """``unet``'s current adapter weights as ``folder/pytorch_lora_weights.safetensors`` (diffusers' format)."""
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    metadata = unet.peft_config["default"].to_dict()
+    StableDiffusionLoraLoaderMixin.save_lora_weights(
+        folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
+    )
+    return folder / LORA_FILE
+
+
+def write_plain_unet(unet: torch.nn.Module, folder: Path, merge: bool) -> None:
+    """``unet`` (carrying an adapter) as a plain diffusers UNet folder: adapter merged in, or the base alone.
+
+    No second copy of the model is made: the merge is in place and undone exactly afterwards
+    (:func:`model.adapters.merged`), and the tensors are written straight from the live modules.
+    """
+    folder.mkdir(parents=True)
+    unet.save_config(folder)
+    if merge:
+        with merged(unet):
+            _write_state(plain_state_dict(unet), folder / UNET_FILE)
+    else:
+        _write_state(plain_state_dict(unet), folder / UNET_FILE)
+
+
+def _write_state(state: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})

@@ -1,0 +1,109 @@
+"""train stage, adapter phases: only the adapter trains, a SIGKILLed run resumes to bitwise-equal adapter weights,
+the outputs (merged or base UNet, diffusers LoRA files), DoRA."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from sdforge.eval.sampling import load_pipeline
+from tests.fixtures.training import build_workspace, train, weights
+
+LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention"]}
+DORA = {"type": "dora", "rank": 2, "targets": ["cross_attention"], "merge": False}
+ADAPTED = (".attn1.to_", ".attn2.to_")
+# phase2 as in test_train: 3 optimizer steps per epoch, checkpoints at steps 2, 3 (epoch end), 4, 6
+RESUME_FROM = {3: 2, 4: 4, 5: 4}
+KILL_SEED = int(os.environ.get("SDFORGE_KILL_SEED", random.SystemRandom().randrange(2**31)))
+KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def adapter_workspace(root: Path, adapter: dict) -> Path:
+    """The tiny workspace with phase 1 trained (full) and phase 2 an adapter phase on it."""
+    params_file = build_workspace(root)
+    data = yaml.safe_load(params_file.read_text())
+    data["phases"]["phase2"].update(adapter=adapter, lr=5e-3)
+    params_file.write_text(yaml.safe_dump(data))
+    assert train(params_file, "phase1").returncode == 0
+    return params_file
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    straight = adapter_workspace(tmp_path_factory.mktemp("straight"), LORA)
+    killed = adapter_workspace(tmp_path_factory.mktemp("killed"), LORA)
+    done = train(straight, "phase2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    died = train(killed, "phase2", kill_at=KILL_AT)
+    resumed = train(killed, "phase2")
+    return straight.parent, killed.parent, died, resumed
+
+
+def test_sigkill_then_resume_gives_bitwise_equal_adapter_weights(runs):
+    straight, killed, died, resumed = runs
+    why = f"killed at step {KILL_AT} (SDFORGE_KILL_SEED={KILL_SEED} reproduces it)"
+    assert died.returncode == -9 and resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {RESUME_FROM[KILL_AT]} " in resumed.stderr, why
+    for sub in ("adapter", "adapter_ema"):
+        a, b = (load_file(root / "checkpoints/phase2" / sub / LORA_FILE) for root in (straight, killed))
+        assert a.keys() == b.keys() and a, sub
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume ({why})"
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(straight, "phase2", sub), weights(killed, "phase2", sub)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume ({why})"
+
+
+def test_only_the_adapter_trained_and_its_share_is_reported(runs):
+    straight = runs[0]
+    metrics = json.loads((straight / "metrics/train/phase2.json").read_text())
+    assert metrics["steps"] == 6 and 0 < metrics["trainable_params"] < 0.05 * metrics["unet_params"]
+    assert metrics["trainable_share"] == pytest.approx(metrics["trainable_params"] / metrics["unet_params"], abs=1e-6)
+    full = json.loads((straight / "metrics/train/phase1.json").read_text())
+    assert full["trainable_params"] == full["unet_params"] == metrics["unet_params"]
+    # checkpoints hold the adapter's tensors only, not a UNet
+    ckpt = sorted((straight / "runs/phase2").glob("checkpoint-*"))[-1]
+    assert not (ckpt / "unet").exists()
+    saved = load_file(ckpt / "adapter/adapter_weights.safetensors")
+    assert sum(t.numel() for t in saved.values()) == metrics["trainable_params"]
+    # merged: the UNet differs from phase 1's EMA exactly in the adapted layers' weights
+    base, merged = weights(straight, "phase1", "unet_ema"), weights(straight, "phase2", "unet_ema")
+    assert base.keys() == merged.keys()
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(any(a in k for a in ADAPTED) and k.endswith(".weight") for k in changed)
+    # the LoRA file is in diffusers' format, with its config (rank, alpha) in the metadata
+    lora_path = straight / "checkpoints/phase2/adapter_ema" / LORA_FILE
+    assert all(k.startswith("unet.") and (".lora.down." in k or ".lora.up." in k) for k in load_file(lora_path))
+    with safe_open(lora_path, "pt") as f:
+        config = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert (config["unet.r"], config["unet.lora_alpha"], config["unet.use_dora"]) == (2, 2, False)
+    state = json.loads((straight / "checkpoints/phase2/state.json").read_text())
+    assert state["adapter"]["merge"] is True and state["objective"] == "diffusion"
+
+
+def test_dora_unmerged_keeps_the_base_and_eval_applies_the_adapter(tmp_path):
+    params_file = adapter_workspace(tmp_path, DORA)
+    done = train(params_file, "phase2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    root = params_file.parent
+    for sub in ("unet", "unet_ema"):  # merge: false: the phase's UNet folders are phase 1's EMA, unchanged
+        base, kept = weights(root, "phase1", "unet_ema"), weights(root, "phase2", sub)
+        assert all(torch.equal(base[k], kept[k]) for k in base)
+    lora = load_file(root / "checkpoints/phase2/adapter_ema" / LORA_FILE)
+    assert any("lora_magnitude_vector" in k for k in lora)
+    pipe = load_pipeline(root / "models", root / "checkpoints/phase2", device="cpu")
+    assert "default_0" in pipe.unet.peft_config or pipe.unet.peft_config  # the adapter is applied on load
+    plain = load_pipeline(root / "models", root / "checkpoints/phase1", device="cpu")
+    assert pipe.checkpoint_hash != plain.checkpoint_hash
+    x, t = torch.randn(1, 4, 8, 8), torch.tensor([500])
+    c = torch.randn(1, 16, pipe.unet.config.cross_attention_dim)
+    with torch.no_grad():
+        assert not torch.equal(pipe.unet(x, t, encoder_hidden_states=c).sample, plain.unet(x, t, c).sample)
