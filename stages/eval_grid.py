@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 STRIPS = "strips"
 HEADLINE = (
     "colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out",
-    "clip_score", "fid",
+    "colour_agreement_concept", "shape_agreement_concept", "clip_score", "fid",
 )
 """The eval figures copied onto the phase's parent run (those present: the probe at demo scale, CLIP score
 and FID where their weights are given)."""
@@ -132,6 +132,8 @@ def eval_note(metrics: dict, out_dir: Path) -> str:
             ("shape_agreement_seen", "shape (seen)", "probe_prompts_seen"),
             ("colour_agreement_held_out", "colour (held-out)", "probe_prompts_held_out"),
             ("shape_agreement_held_out", "shape (held-out)", "probe_prompts_held_out"),
+            ("colour_agreement_concept", "colour (concept)", "probe_prompts_concept"),
+            ("shape_agreement_concept", "shape (concept)", "probe_prompts_concept"),
         )
         if metrics.get(key) is not None
     ]

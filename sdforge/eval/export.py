@@ -1,8 +1,11 @@
 """Export a phase checkpoint as a diffusers ``StableDiffusionPipeline`` folder (``sdforge export``).
 
 The folder holds the EMA UNet (``--live``: the live weights), the frozen VAE, text encoder and
-tokenizer, and the DDIM scheduler that ``sdforge generate`` samples with (training betas,
-``clip_sample=False``), all as safetensors; no safety checker (``requires_safety_checker=False``).
+tokenizer, and the scheduler that ``sdforge generate`` samples with — DDIM with the training betas and
+``clip_sample=False`` for a diffusion phase, the flow-matching Euler sampler for a flow-matching one
+(:func:`model.sampler.sampling_scheduler`) — all as safetensors; no safety checker
+(``requires_safety_checker=False``). An adapter phase with ``adapter.merge: false`` is exported with its
+adapter fused into the UNet (the LoRA file itself is the phase's ``adapter_ema/``).
 ``StableDiffusionPipeline.from_pretrained(folder)`` loads it, and with the same seed (a CPU
 generator), steps and guidance it reproduces ``sdforge generate``'s image.
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from diffusers import StableDiffusionPipeline
 
-from model.sampler import ddim_from_training
+from model.sampler import sampling_scheduler
 from sdforge.config import ConfigError, Tracking
 from sdforge.eval.sampling import load_pipeline
 from sdforge.tracking import stage_run
@@ -31,12 +34,15 @@ MODEL_ARTIFACT = "diffusers_pipeline"
 def export_pipeline(models_dir: Path, checkpoint_dir: Path, out_dir: Path, use_ema: bool = True) -> dict:
     """Write the diffusers folder to ``out_dir`` (replaced whole, via a sibling temp folder); return metrics."""
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=use_ema, device="cpu")
+    if getattr(pipe.unet, "peft_config", None):  # an unmerged adapter: fuse it, drop the LoRA layers
+        pipe.unet.fuse_lora()
+        pipe.unet.unload_lora()
     sd = StableDiffusionPipeline(
         vae=pipe.vae,
         text_encoder=pipe.text_encoder,
         tokenizer=pipe.tokenizer,
         unet=pipe.unet,
-        scheduler=ddim_from_training(pipe.train_scheduler_config),
+        scheduler=sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,

@@ -69,38 +69,41 @@ def _share(results: list[dict], key: str) -> float | None:
 
 def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData) -> dict:
     """Colour and shape agreement of the demo probe with each demo prompt — over all of them, and apart for
-    the combinations the corpus shows (``_seen``) and those it holds out (``_held_out``); chance baselines."""
+    the combinations the corpus shows (``_seen``), those it holds out (``_held_out``) and those in the
+    concept colour only the concept source shows (``_concept``, when ``demo.concept``); chance baselines."""
     results = []
     for img, prompt in zip(images, prompts, strict=True):
         try:
             want = parse_caption(prompt)
         except ValueError:
             continue
-        got = probe(img, demo.colours, demo.backgrounds)
+        got = probe(img, demo.palette, demo.backgrounds)
         results.append(
             {
                 "prompt": prompt,
                 "held_out": demo.is_held_out(want.colour, want.shape, want.background),
+                "concept": demo.is_concept(want.colour),
                 "colour": got.colour,
                 "shape": got.shape,
                 "colour_ok": got.colour == want.colour,
                 "shape_ok": got.shape == want.shape,
             }
         )
-    seen = [r for r in results if not r["held_out"]]
+    concept = [r for r in results if r["concept"]]
+    seen = [r for r in results if not r["held_out"] and not r["concept"]]
     held_out = [r for r in results if r["held_out"]]
+    groups = {"seen": seen, "held_out": held_out, **({"concept": concept} if demo.concept else {})}
+    figures = {"probe_prompts": len(results)}
+    figures.update({f"probe_prompts_{name}": len(rows) for name, rows in groups.items()})
+    figures.update(colour_agreement=_share(results, "colour_ok"), shape_agreement=_share(results, "shape_ok"))
+    for name, rows in groups.items():
+        figures.update(
+            {f"colour_agreement_{name}": _share(rows, "colour_ok"), f"shape_agreement_{name}": _share(rows, "shape_ok")}
+        )
     return {
-        "probe_prompts": len(results),
-        "probe_prompts_seen": len(seen),
-        "probe_prompts_held_out": len(held_out),
-        "colour_agreement": _share(results, "colour_ok"),
-        "shape_agreement": _share(results, "shape_ok"),
-        "colour_agreement_seen": _share(seen, "colour_ok"),
-        "shape_agreement_seen": _share(seen, "shape_ok"),
-        "colour_agreement_held_out": _share(held_out, "colour_ok"),
-        "shape_agreement_held_out": _share(held_out, "shape_ok"),
+        **figures,
         # full scale has no demo vocabulary (demo.enabled: false): no probe, no chance level
-        "colour_chance": round(1 / len(demo.colours), 4) if demo.colours else None,
+        "colour_chance": round(1 / len(demo.palette), 4) if demo.colours else None,
         "shape_chance": round(1 / len(demo.shapes), 4) if demo.shapes else None,
         "per_prompt": results,
     }
@@ -124,7 +127,7 @@ def probe_truth(prompts: list[str], demo: DemoData, size: Size, seed: int = 0) -
             continue
         for _ in range(TRUTH_RENDERS):
             img = render_spec(demo, want, rng, size)
-            got = probe(img, demo.colours, demo.backgrounds)
+            got = probe(img, demo.palette, demo.backgrounds)
             colour_ok += got.colour == want.colour
             shape_ok += got.shape == want.shape
             total += 1

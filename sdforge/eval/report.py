@@ -44,6 +44,8 @@ COLUMNS = (
     ("shape seen", "eval_grid", "shape_agreement_seen", "{:.0%}"),
     ("colour held-out", "eval_grid", "colour_agreement_held_out", "{:.0%}"),
     ("shape held-out", "eval_grid", "shape_agreement_held_out", "{:.0%}"),
+    ("colour concept", "eval_grid", "colour_agreement_concept", "{:.0%}"),
+    ("shape concept", "eval_grid", "shape_agreement_concept", "{:.0%}"),
     ("CLIP score", "eval_grid", "clip_score", "{:.4f}"),
     ("FID", "eval_grid", "fid", "{:.2f}"),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextModel, CLIPTokenizer
 
-from model.sampler import ddim_from_training, decode_to_uint8, encode_prompts, latent_shape_for, sample_latents
+from model.sampler import decode_to_uint8, encode_prompts, latent_shape_for, sample_latents, sampling_scheduler
 from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,41 @@ class Pipeline:
     tokenizer: object
     train_scheduler_config: dict
     checkpoint_hash: str
+    objective: str = "diffusion"
+    """How the checkpoint was trained (``diffusion`` or ``flow_matching``): picks the sampler's scheduler."""
+    flow_shift: float = 1.0
 
 
-def checkpoint_hash(weights_dir: Path) -> str:
+def checkpoint_hash(*weights_dirs: Path) -> str:
     """Short sha256 of a checkpoint's weight files (stamped into generated PNGs)."""
     h = hashlib.sha256()
-    for f in sorted(weights_dir.rglob("*.safetensors")):
-        h.update(f.read_bytes())
+    for weights_dir in weights_dirs:
+        for f in sorted(weights_dir.rglob("*.safetensors")):
+            h.update(f.read_bytes())
     return h.hexdigest()[:12]
+
+
+def checkpoint_state(checkpoint_dir: Path) -> dict:
+    """The phase checkpoint's ``state.json`` (objective, flow shift, adapter); ``{}`` when absent (scratch, older
+    checkpoints: diffusion, no adapter)."""
+    path = checkpoint_dir / "state.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise InputError(f"{path}: not JSON ({err}); re-run the train stage that wrote {checkpoint_dir}") from None
+
+
+def unmerged_adapter(checkpoint_dir: Path, use_ema: bool) -> Path | None:
+    """The LoRA folder to apply on top of ``unet_ema/`` (``unet/``) — only for an ``adapter.merge: false`` phase."""
+    adapter = checkpoint_state(checkpoint_dir).get("adapter")
+    if not adapter or adapter.get("merge", True):
+        return None
+    folder = checkpoint_dir / ("adapter_ema" if use_ema else "adapter")
+    if not folder.is_dir():
+        raise InputError(f"{folder}: missing, but state.json says the adapter is not merged into the UNet")
+    return folder
 
 
 def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto") -> Pipeline:
@@ -64,14 +92,30 @@ def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, 
     retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
     reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
+    state = checkpoint_state(checkpoint_dir)
+    unet = _load(UNet2DConditionModel, weights, retrain)
+    adapter = unmerged_adapter(checkpoint_dir, use_ema)
+    if adapter is not None:
+        load_lora(unet, adapter)
     return Pipeline(
-        unet=_load(UNet2DConditionModel, weights, retrain).to(dev).eval(),
+        unet=unet.to(dev).eval(),
         vae=_load(AutoencoderKL, models_dir / "vae", reprepare).to(dev).eval(),
         text_encoder=_load(CLIPTextModel, models_dir / "text_encoder", reprepare).to(dev).eval(),
         tokenizer=_load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False),
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
-        checkpoint_hash=checkpoint_hash(weights),
+        checkpoint_hash=checkpoint_hash(weights, *([adapter] if adapter else [])),
+        objective=state.get("objective", "diffusion"),
+        flow_shift=float(state.get("flow_shift", 1.0)),
     )
+
+
+def load_lora(unet, folder: Path) -> None:
+    """Apply the diffusers LoRA file in ``folder`` to ``unet`` the way ``load_lora_weights`` does (unfused)."""
+    try:
+        unet.load_lora_adapter(str(folder), prefix="unet", weight_name="pytorch_lora_weights.safetensors")
+    except Exception as err:  # noqa: BLE001 - a file that does not apply is the folder's fault: one line
+        failure = load_failure(err, with_type=True)
+        raise InputError(f"{folder}: the LoRA does not apply to this UNet ({failure})") from None
 
 
 def _load(cls, folder: Path, remedy: str, weights: bool = True):
@@ -102,7 +146,7 @@ def generate(
     """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``. ``width``
     and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64)."""
     device = next(pipe.unet.parameters()).device
-    scheduler = ddim_from_training(pipe.train_scheduler_config)
+    scheduler = sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift)
     shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
     uncond = encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device)
     images: list[np.ndarray] = []
