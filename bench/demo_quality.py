@@ -3,17 +3,18 @@
 ``python -m bench.demo_quality [--seeds N] [--quick] [--params params.yaml] [--out .bench/demo_quality]
 [--phases K] [--set KEY=VALUE ...]``
 
-Trains the demo's phases (phase 0 … phase 7, each from the previous one's EMA weights) on the already
+Trains the demo's phases (phase 0 … phase 8, each from the previous one's EMA weights) on the already
 encoded demo latents (``${paths.latents}``, ``${paths.models}`` and ``${paths.checkpoints}/scratch``: run
 ``make demo`` or ``dvc repro encode_latents`` first) for train seeds 0 … N-1, in this process, with the
 stages' own ``run`` functions (``mix_phase``, ``train``, ``eval_grid``) on a copy of ``params.yaml`` whose
 outputs go under ``--out`` and whose MLflow tracking and training validation images are off (neither
-changes the weights). After phase 1 and the last phase it samples the eval grid and reads each image with
-the demo probe: colour and shape agreement on the seen and the held-out (colour, shape, background)
-combinations, and the probe's own score on ground-truth renders of the same prompts.
+changes the weights). After the first phase, the last full phase (phase 7) and the adapter phase (phase 8)
+it samples the eval grid and reads each image with the demo probe: colour and shape agreement on the seen,
+the held-out and the concept (the adapter's new colour) prompts, and the probe's own score on ground-truth
+renders of the same prompts.
 
 The baseline is the acceptance bar of issue 16, not another implementation: the last line is
-``RESULT name=demo_quality ratio=<min over seeds of the last phase's colour agreement (seen and held-out,
+``RESULT name=demo_quality ratio=<min over seeds of the last full phase's colour agreement (seen and held-out,
 whichever is lower) ÷ 0.75> ...``. ``--quick`` trains seed 0's first phase for one epoch only and evaluates it:
 a check that the harness runs, not a quality figure. ``--phases K`` trains the first K phases only;
 ``--set phases.phase1.lr=1e-3`` (repeatable, YAML values) measures a change without editing ``params.yaml``.
@@ -39,7 +40,14 @@ from stages import eval_grid, mix_phase, train
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = ("mixes", "checkpoints", "runs", "eval", "metrics")
 """``paths`` keys redirected under the seed's work dir (inputs — latents, models — stay where they are)."""
-KEYS = ("colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out")
+KEYS = (
+    "colour_agreement_seen",
+    "shape_agreement_seen",
+    "colour_agreement_held_out",
+    "shape_agreement_held_out",
+    "colour_agreement_concept",
+    "shape_agreement_concept",
+)
 BAR = 0.75
 """Issue 16's bar for the held-out colour agreement; the RESULT ratio is measured against it."""
 
@@ -100,8 +108,19 @@ def write_scratch_unet(params: Params, out: Path) -> None:
     write_json(out / "state.json", {"phase": SCRATCH, "step": 0})
 
 
+def evaluated_phases(params: Params) -> dict[str, str]:
+    """tag → phase the probe scores: ``first``, ``base`` (the last full fine-tune: the demo's phase 7) and, when
+    the last phase is an adapter, ``adapter`` (the demo's phase 8)."""
+    names = list(params.phases)
+    full = [n for n in names if params.phases[n].adapter is None] or names
+    tags = {"first": names[0], "base": full[-1]}
+    if params.phases[names[-1]].adapter is not None:
+        tags["adapter"] = names[-1]
+    return tags
+
+
 def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=()) -> dict:
-    """Mix, train and evaluate every phase for one train seed; the first and last phases' probe figures."""
+    """Mix, train and evaluate every phase for one train seed; the probe figures of :func:`evaluated_phases`."""
     work = out / f"seed-{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -109,36 +128,34 @@ def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, o
     check_inputs(params)
     paths = params.paths
     write_scratch_unet(params, Path(paths.checkpoints) / SCRATCH)
-    phases = list(params.phases)
-    result: dict = {"seed": seed, "train_s": 0.0}
-    for name in phases:
+    tags = evaluated_phases(params)
+    result: dict = {"seed": seed, "train_s": 0.0, "tags": tags}
+    for name in params.phases:
         index = Path(paths.mixes) / f"{name}.parquet"
         mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
         start = time.perf_counter()
         metrics = train.run(params, name)
         result["train_s"] += time.perf_counter() - start
         result[f"{name}_steps"] = metrics["steps"]
-        if name in (phases[0], phases[-1]):
-            grid = eval_grid.run(
-                params.eval,
-                params.demo,
-                Path(paths.models),
-                Path(paths.checkpoints) / name,
-                Path(paths.eval) / name,
-            )
-            tags = (["first"] if name == phases[0] else []) + (["last"] if name == phases[-1] else [])
-            for tag in tags:
-                result.update({f"{tag}_{k}": grid.get(k) for k in (*KEYS, "probe_truth_colour", "probe_truth_shape")})
+        if name not in tags.values():
+            continue
+        grid = eval_grid.run(
+            params.eval, params.demo, Path(paths.models), Path(paths.checkpoints) / name, Path(paths.eval) / name
+        )
+        for tag in (t for t, phase in tags.items() if phase == name):
+            result.update({f"{tag}_{k}": grid.get(k) for k in (*KEYS, "probe_truth_colour", "probe_truth_shape")})
     log.info("seed %d: %s", seed, result)
     return result
 
 
-def summary_table(results: list[dict], first: str, last: str) -> list[str]:
-    """Markdown rows: per seed, the first and last phase's four agreements and the train time."""
-    head = "| seed | phase | colour seen | shape seen | colour held-out | shape held-out | train s |"
-    rows = [head, "|---|---|---|---|---|---|---|"]
+def summary_table(results: list[dict], tags: dict[str, str]) -> list[str]:
+    """Markdown rows: per seed, each evaluated phase's agreements (concept: the adapter's new colour)."""
+    head = (
+        "| seed | phase | " + " | ".join(k.replace("_agreement_", " ").replace("_", "-") for k in KEYS) + " | train s |"
+    )
+    rows = [head, "|---" * (len(KEYS) + 3) + "|"]
     for r in results:
-        for tag, name in (("first", first), ("last", last)):
+        for tag, name in tags.items():
             cells = " | ".join(_pct(r.get(f"{tag}_{k}")) for k in KEYS)
             rows.append(f"| {r['seed']} | {name} | {cells} | {r['train_s']:.0f} |")
     return rows
@@ -168,18 +185,19 @@ def main(argv: list[str] | None = None) -> None:
     load_before = load_average()
     seeds = [0] if args.quick else list(range(args.seeds))
     results = [train_seed(args.params, args.out.resolve(), s, args.quick, args.phases, args.set) for s in seeds]
-    phases = list(load_params(args.params).phases)[: args.phases or None]
-    first, last = phases[0], (phases[0] if args.quick else phases[-1])
-    for row in summary_table(results, first, last):
+    tags = results[0]["tags"]
+    for row in summary_table(results, tags):
         print(row)
-    lows = [min(r["last_colour_agreement_seen"], r["last_colour_agreement_held_out"]) for r in results]
+    lows = [min(r["base_colour_agreement_seen"], r["base_colour_agreement_held_out"]) for r in results]
     fields = {"seeds": len(seeds), "quick": args.quick}
-    for key in KEYS:
-        fields[f"{last}_{key}_min"] = _stat(results, f"last_{key}", min)
-        fields[f"{last}_{key}_median"] = _stat(results, f"last_{key}", statistics.median)
-        fields[f"{first}_{key}_median"] = _stat(results, f"first_{key}", statistics.median)
+    for tag, name in tags.items():
+        for key in KEYS:
+            if all(r.get(f"{tag}_{key}") is None for r in results):
+                continue
+            fields[f"{name}_{key}_min"] = _stat(results, f"{tag}_{key}", min)
+            fields[f"{name}_{key}_median"] = _stat(results, f"{tag}_{key}", statistics.median)
     fields["probe_truth_min"] = min(
-        min(r["last_probe_truth_colour"], r["last_probe_truth_shape"]) for r in results
+        min(r[f"{tag}_probe_truth_colour"], r[f"{tag}_probe_truth_shape"]) for r in results for tag in tags
     )
     fields["train_s_median"] = _stat(results, "train_s", statistics.median)
     fields["load_avg"] = f"{load_before} -> {load_average()}"

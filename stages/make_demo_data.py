@@ -9,6 +9,8 @@ Writes ``paths.demo_source/``:
 * ``http/images/<name>.jpg``: the good rows' images (served on loopback by ``fetch_images``).
 * ``diffusiondb/part-000001.zip``: ``demo.archive_images`` PNGs plus ``part-000001.json``
   (file name → ``{"p", "se", "c", "st", "sa"}``), DiffusionDB 2M's layout.
+* ``concept/NNNNN.png`` + ``NNNNN.txt``: ``demo.concept.images`` images of the concept colour only (a
+  ``local`` source), which nothing above shows: what the demo's adapter phase teaches.
 
 Everything derives from ``demo.seed``; the bytes are identical run to run (fixed JPEG quality,
 fixed zip dates, sorted entries). With ``demo.enabled: false`` only a ``DISABLED`` marker is

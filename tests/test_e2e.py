@@ -69,8 +69,8 @@ def metrics(project: Path, stage: str, item: str | None = None) -> dict:
 
 def test_every_stage_ran_once(project):
     ran = ran_stages((project / "first_run.log").read_text())
-    # demo, 3 data×2, models, encode×2, 3×2 phases, report
-    assert len(ran) == len(set(ran)) == 1 + 3 * 2 + 1 + 2 + 3 * 2 + 1
+    # demo, 3 data stages × 3 sources, models, encode×3, 3×2 phases, report
+    assert len(ran) == len(set(ran)) == 1 + 3 * 3 + 1 + 3 + 3 * 2 + 1
     assert ran.index("train@phase1") < ran.index("train@phase2")
     assert ran[-1] == "report"
 
@@ -119,7 +119,20 @@ def test_latents_per_resolution_and_bucket(project):
 
 def test_mix_composition(project):
     m = metrics(project, "mix_phase", "phase2")
-    assert m["samples"] == 48 and m["samples.laion"] == 24 and m["samples.diffusiondb"] == 24
+    assert m["samples"] == 48 and m["samples.laion"] == 24 and m["samples.concept"] == 24
+    concept = yaml.safe_load((project / "params.yaml").read_text())["demo"]["concept"]
+    assert metrics(project, "fetch_images", "concept")["successes"] == concept["images"]
+
+
+def test_the_adapter_phase_trains_a_lora_on_the_low_resolution_phase(project):
+    m = metrics(project, "train", "phase2")
+    assert m["resolution"] == "px32" and 0 < m["trainable_params"] < 0.05 * m["unet_params"]
+    state = json.loads((project / "checkpoints/phase2/state.json").read_text())
+    assert state["adapter"]["type"] == "lora" and state["adapter"]["merge"] is True
+    for sub in ("adapter", "adapter_ema"):
+        assert (project / "checkpoints/phase2" / sub / "pytorch_lora_weights.safetensors").stat().st_size > 0
+    concept = metrics(project, "eval_grid", "phase2")
+    assert concept["probe_prompts_concept"] == 2 and concept["colour_agreement_concept"] is not None
 
 
 def test_checkpoint_keys_and_steps(project):
@@ -140,12 +153,12 @@ def test_checkpoint_keys_and_steps(project):
 
 def test_eval_grid_image(project):
     m = metrics(project, "eval_grid", "phase2")
-    assert m["images"] == 4 and m["image_size"] == 32 and m["extra_images"] == 2 * 2  # 2 prompts × 24x40, 40x24
+    assert m["images"] == 6 and m["image_size"] == 32 and m["extra_images"] == 2 * 2  # 2 prompts × 24x40, 40x24
     grid = Image.open(project / "eval/phase2/grid.png")
-    # 2 square rows + one row per extra size; one scale (32 px → 128), cells padded to the largest (40 px → 160)
-    assert grid.size == (2 * 160, 4 * (160 + 28))
+    # 3 square rows + one row per extra size; one scale (32 px → 128), cells padded to the largest (40 px → 160)
+    assert grid.size == (2 * 160, 5 * (160 + 28))
     assert Image.open(project / "eval/phase2/images/00_24x40.png").size == (24, 40)
-    assert 0 <= m["colour_agreement"] <= 1 and m["colour_chance"] == 0.2
+    assert 0 <= m["colour_agreement"] <= 1 and m["colour_chance"] == round(1 / 6, 4)  # 5 colours + the concept
 
 
 def test_mlflow_has_phase_run_with_grid(project):

@@ -1,4 +1,5 @@
-"""The demo shrunk to a test's size (2 phases, a few steps each): the end-to-end test and the kill harness."""
+"""The demo shrunk to a test's size (2 phases, the second an adapter; a few steps each): the end-to-end test and
+the kill harness."""
 
 from __future__ import annotations
 
@@ -13,19 +14,21 @@ def free_port() -> int:
 
 
 def shrink(params: dict, port: int) -> dict:
-    """The demo params, made small enough for a test: 2 phases (demo phase 0 at its low resolution, then demo
-    phase 7 at the high one), fewer rows and steps."""
+    """The demo params, made small enough for a test: 2 phases (demo phase 0 at its low resolution, then the
+    demo's adapter phase 8 at the high one: a resolution change and an adapter on it), fewer rows and steps."""
     demo = params["demo"]
     demo.update(laion_rows=96, archive_images=48, http_port=port)
+    if demo.get("concept"):
+        demo["concept"]["images"] = 32
     params["models"]["vae_build"].update(train_steps=30)
-    params["phases"] = {  # phase 1 at the low resolution, phase 2 at the high one: a resolution change
+    params["phases"] = {  # phase 1 at the low resolution, phase 2 (an adapter) at the high one
         "phase1": {**params["phases"]["phase0"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
-        "phase2": {**params["phases"]["phase7"], "init_from": "phase1", "samples": 48, "batch_size": 16,
-                   "mix": {"laion": 0.5, "diffusiondb": 0.5}, "warmup_steps": 1},
+        "phase2": {**params["phases"]["phase8"], "init_from": "phase1", "samples": 48, "epochs": 1,
+                   "batch_size": 16, "warmup_steps": 1},
     }
     params["train"].update(save_steps=3, log_every=1)
     prompts = params["eval"]["prompts"]
-    if isinstance(prompts, dict):  # categories (the demo: seen, held_out): two prompts of each
+    if isinstance(prompts, dict):  # categories (the demo: seen, held_out, concept): two prompts of each
         prompts = {name: texts[:2] for name, texts in prompts.items()}
     else:
         prompts = prompts[:4]

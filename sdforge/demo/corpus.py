@@ -34,6 +34,7 @@ JPEG_QUALITY = 95
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 LAION_FILE = "laion/part-00000.parquet"
 ARCHIVE_PART = "part-000001"
+CONCEPT_DIR = "concept"
 SMALL_SIZE = 16
 SAMPLERS = ("k_lms", "k_euler", "k_euler_ancestral", "ddim", "plms")
 
@@ -235,10 +236,27 @@ def diffusiondb_part_bytes(images: dict[str, bytes], part: str, mapping: dict[st
     return buf.getvalue()
 
 
+def concept_images(cfg: DemoData, rng: np.random.Generator, folder: Path) -> int:
+    """``demo.concept.images`` images of the concept colour (every shape and background in balanced rounds, the
+    canvases in turn) as ``NNNNN.png`` + ``NNNNN.txt`` captions: a ``local`` source (``local.mode: txt``)."""
+    concept = cfg.concept
+    specs = SpecDeck(shown_specs([concept.colour], list(cfg.shapes), list(cfg.backgrounds), []), rng)
+    canvases = CanvasCycle(cfg)
+    for i in range(concept.images):
+        spec = specs.draw()
+        img = render(spec, canvases.next(), concept.rgb, cfg.backgrounds[spec.background], rng, cfg.half_size)
+        atomic_write_bytes(folder / f"{i:05d}.png", encode_image(img, ".png"))
+        atomic_write_bytes(folder / f"{i:05d}.txt", spec.caption().encode())
+    return concept.images
+
+
 def build(cfg: DemoData, out_dir: Path) -> dict[str, int]:
     """Write the enabled demo corpus into the (empty) ``out_dir``; return the row counts."""
     rows, counts = laion_rows(cfg, np.random.default_rng([cfg.seed, 0]), out_dir / "http")
     write_laion(rows, out_dir / LAION_FILE)
     archive = diffusiondb_zip(cfg, np.random.default_rng([cfg.seed, 1]))
     atomic_write_bytes(out_dir / "diffusiondb" / f"{ARCHIVE_PART}.zip", archive)
-    return {**counts, "archive_images": cfg.archive_images}
+    counts = {**counts, "archive_images": cfg.archive_images}
+    if cfg.concept is not None:
+        counts["concept_images"] = concept_images(cfg, np.random.default_rng([cfg.seed, 2]), out_dir / CONCEPT_DIR)
+    return counts

@@ -37,7 +37,7 @@ def demo_words(demo: DemoData, eval_: Eval | None = None) -> list[str]:
     """Every word of a demo caption and of the eval prompts, in first-seen order, lower-cased."""
     text = [
         ShapeSpec(shape=s, colour=c, background=b).caption()
-        for c in demo.colours
+        for c in demo.palette
         for s in demo.shapes
         for b in demo.backgrounds
     ]

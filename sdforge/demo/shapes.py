@@ -27,14 +27,15 @@ class ShapeSpec:
     background: str
 
     def caption(self) -> str:
-        """The canonical caption, e.g. ``a red circle on a white background``."""
-        return f"a {self.colour} {self.shape} on a {self.background} background"
+        """The canonical caption, e.g. ``a red circle on a white background`` (``an orange …``)."""
+        article = "an" if self.colour[:1] in "aeiou" else "a"
+        return f"{article} {self.colour} {self.shape} on a {self.background} background"
 
 
 def parse_caption(caption: str) -> ShapeSpec:
     """Inverse of :meth:`ShapeSpec.caption`; raises ``ValueError`` on another form."""
     words = caption.strip().lower().split()
-    if len(words) != 7 or words[0] != "a" or words[3:5] != ["on", "a"] or words[6] != "background":
+    if len(words) != 7 or words[0] not in ("a", "an") or words[3:5] != ["on", "a"] or words[6] != "background":
         raise ValueError(f"not a demo caption: {caption!r}")
     return ShapeSpec(shape=words[2], colour=words[1], background=words[5])
 
@@ -126,7 +127,7 @@ def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixel
     ``pixels`` may be ``(width, height)``: the shape is then drawn on :func:`truth_canvas` (that aspect, the
     shorter side ``demo.image_size``, so the shape has the corpus' size relative to the shorter side) and
     resized to exactly ``width``×``height``."""
-    colour, background = demo.colours[spec.colour], demo.backgrounds[spec.background]
+    colour, background = demo.palette[spec.colour], demo.backgrounds[spec.background]
     canvas = truth_canvas(demo, pixels) if pixels is not None else (demo.image_size, demo.image_size)
     img = render(spec, canvas, colour, background, rng, demo.half_size)
     if pixels is not None and as_wh(pixels) != canvas:

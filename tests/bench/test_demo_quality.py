@@ -32,3 +32,13 @@ def test_quick_keeps_one_epoch_of_the_first_phase(tmp_path):
 def test_an_override_of_a_missing_section_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="no section 'nope'"):
         seed_params(REPO_PARAMS, tmp_path, seed=0, quick=False, overrides=["nope.lr=1"])
+
+
+def test_the_probe_scores_the_first_phase_the_last_full_one_and_the_adapter(tmp_path):
+    from bench.demo_quality import evaluated_phases
+
+    params = seed_params(REPO_PARAMS, tmp_path, seed=0, quick=False)
+    assert evaluated_phases(params) == {"first": "phase0", "base": "phase7", "adapter": "phase8"}
+    (tmp_path / "q").mkdir()
+    quick = seed_params(REPO_PARAMS, tmp_path / "q", seed=0, quick=True)
+    assert evaluated_phases(quick) == {"first": "phase0", "base": "phase0"}

@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from sdforge.demo.shapes import parse_caption
+from sdforge.demo.shapes import parse_caption, probe
 from stages import make_demo_data
 
 
@@ -42,7 +42,26 @@ def test_metrics_count_each_row_kind(built):
         "duplicate_hash_rows": 2,
         "laion_rows_total": 24 + 3 + 3 + 2 + 2 + 2 + 4,
         "archive_images": demo.archive_images,
+        "concept_images": 8,
     }
+
+
+def test_concept_images_are_a_local_source_of_the_new_colour_only(built):
+    params, root, _ = built
+    demo = params.demo
+    images = sorted((root / "concept").glob("*.png"))
+    assert [p.stem for p in images] == [f"{i:05d}" for i in range(8)]
+    seen = set()
+    for path in images:
+        spec = parse_caption((root / "concept" / f"{path.stem}.txt").read_text())
+        rgb = cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2RGB)
+        assert spec.colour == "orange" and probe(rgb, demo.palette, demo.backgrounds).colour == "orange"
+        seen.add((spec.shape, spec.background))
+    assert len(seen) == 6  # every shape on every background in 8 images (balanced rounds)
+    assert "an orange" in (root / "concept/00000.txt").read_text()
+    # the LAION and DiffusionDB parts never show it
+    captions = pl.read_parquet(root / "laion" / "part-00000.parquet")["TEXT"].to_list()
+    assert not any("orange" in c for c in captions)
 
 
 def test_laion_parquet_has_the_injected_rows(built):

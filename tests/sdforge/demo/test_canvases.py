@@ -135,4 +135,4 @@ def test_ground_truth_renders_at_any_width_and_height(size):
 def test_probe_reads_non_square_ground_truth(size):
     params = load_params(REPO_PARAMS)
     truth = probe_truth(params.eval.all_prompts, params.demo, size)
-    assert truth == {"probe_truth_images": 8 * 28, "probe_truth_colour": 1.0, "probe_truth_shape": 1.0}
+    assert truth == {"probe_truth_images": 8 * 44, "probe_truth_colour": 1.0, "probe_truth_shape": 1.0}

@@ -72,7 +72,7 @@ def test_held_out_must_leave_every_word_learnable(held_out, message):
 def test_probe_reads_every_shipped_eval_prompt_from_its_renders():
     params = load_params(REPO_PARAMS)
     truth = probe_truth(params.eval.all_prompts, params.demo, size=32)
-    assert truth == {"probe_truth_images": 8 * 28, "probe_truth_colour": 1.0, "probe_truth_shape": 1.0}
+    assert truth == {"probe_truth_images": 8 * 44, "probe_truth_colour": 1.0, "probe_truth_shape": 1.0}
 
 
 def test_agreement_is_reported_apart_for_seen_and_held_out_prompts():
