@@ -25,7 +25,7 @@ from model.diffusion import TrainingEMA
 from sdforge.config import Train
 from sdforge.latents.inputs import Decoded
 from sdforge.latents.pipeline import _make_batch
-from sdforge.training.trainer import _adamw
+from sdforge.training.optimizers import build_optimizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,9 +77,9 @@ def test_bf16_autocast_step_is_finite_and_close_to_fp32():
 
 
 def test_fused_adamw_is_chosen_on_cuda():
-    opt = _adamw(_unet().parameters(), 1e-4, Train(), torch.device("cuda"))
+    opt = build_optimizer("adamw", _unet().parameters(), 1e-4, Train(), torch.device("cuda"), "train")
     assert opt.defaults["fused"] is True
-    cpu = _adamw(torch.nn.Linear(2, 2).parameters(), 1e-4, Train(), torch.device("cpu"))
+    cpu = build_optimizer("adamw", torch.nn.Linear(2, 2).parameters(), 1e-4, Train(), torch.device("cpu"), "train")
     assert not cpu.defaults.get("fused")
 
 
@@ -98,7 +98,7 @@ def test_sdpa_runs_the_unet_on_a_fused_kernel(backend):
 
 def test_channels_last_is_kept_through_a_step():
     unet = _unet(channels_last=True)
-    opt = _adamw(unet.parameters(), 1e-4, Train(), torch.device("cuda"))
+    opt = build_optimizer("adamw", unet.parameters(), 1e-4, Train(), torch.device("cuda"), "train")
     x, t, cond = _batch()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         pred = unet(x.contiguous(memory_format=torch.channels_last), t, cond).sample
