@@ -207,8 +207,9 @@ def test_report_compares_the_phases_and_is_logged(project):
     page = (project / "eval/report.html").read_text()
     rows = [r for r in page.split("<tr>")[2:]]
     assert [r.split("</td>")[0].removeprefix("<td>") for r in rows] == ["phase1", "phase2"]
-    assert page.count("data:image/png;base64,") == 1 + 2  # the loss chart + one strip per eval category
-    assert metrics(project, "report") == {"phases": 2, "phases_reported": 2, "images": 3, "bytes": len(page.encode())}
+    # the loss chart + one strip per eval category (seen, held_out, concept)
+    assert page.count("data:image/png;base64,") == 1 + 3
+    assert metrics(project, "report") == {"phases": 2, "phases_reported": 2, "images": 4, "bytes": len(page.encode())}
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
