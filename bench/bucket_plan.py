@@ -23,8 +23,7 @@ import time
 import numpy as np
 
 from bench._common import machine, result_line
-from sdforge.latents.bucket_batches import plan_epoch
-from sdforge.latents.loader import batches_per_epoch, rank_order
+from sdforge.latents.bucket_batches import BatchSplit, plan_epoch
 
 WORLD, BATCH, SEED = 2, 24, 0
 
@@ -33,6 +32,18 @@ def skewed_buckets(samples: int, buckets: int) -> np.ndarray:
     """A bucket id per sample, bucket k drawn with weight 1/(k+1) (square first, rarer shapes after)."""
     weights = 1 / np.arange(1, buckets + 1)
     return np.random.default_rng(1).choice(buckets, size=samples, p=weights / weights.sum())
+
+
+def rank_order(num_samples: int, epoch: int, seed: int, rank: int, world: int) -> np.ndarray:
+    """The square-only order before buckets (the baseline): a seeded permutation, strided by rank."""
+    perm = np.random.default_rng([seed, epoch]).permutation(num_samples)
+    usable = (num_samples // world) * world
+    return perm[:usable][rank::world]
+
+
+def batches_per_epoch(num_samples: int, world: int, batch_size: int) -> int:
+    """Batches per rank per epoch of the baseline order (the last one may be partial)."""
+    return -(-(num_samples // world) // batch_size)
 
 
 def square_epoch(samples: int, epoch: int) -> int:
@@ -44,8 +55,8 @@ def square_epoch(samples: int, epoch: int) -> int:
 
 def bucket_epoch(ids: np.ndarray, epoch: int, tail: str) -> int:
     """The bucketed order on rank 0: the plan, then every batch's positions; returns the batch count."""
-    plan = plan_epoch(ids, epoch, SEED, WORLD, BATCH, tail)
-    return len([plan.rank_batch(b, 0, BATCH) for b in range(len(plan.batches))])
+    plan = plan_epoch(ids, epoch, SEED, WORLD * BATCH, tail)
+    return len(plan.micro_batches(0, BatchSplit(BATCH, 1, WORLD)))
 
 
 def timed(fn, rounds: int) -> tuple[float, int]:

@@ -43,6 +43,7 @@ from bench._common import load_average, machine, result_line
 from bench.gpu.workspace import TINY_UNET
 from model.builders import build_unet, unet_config
 from sdforge.config import Phase
+from sdforge.latents.bucket_batches import BatchSplit
 from sdforge.latents.loader import LatentIndexDataset, iter_batches, rank_batches
 from sdforge.latents.store import MANIFEST, resolution_dir, shard_path, write_shard
 from stages.mix_phase import build_index
@@ -111,7 +112,7 @@ class Variant:
         self.shapes: list[tuple[int, int]] = []  # latent (h, w) of each timed step
 
     def _epoch(self):
-        plan = rank_batches(self.data.sample_bucket, self.epoch, SEED, 0, 1, self.batch)
+        plan = rank_batches(self.data.sample_bucket, self.epoch, SEED, 0, BatchSplit(self.batch, 1, 1))
         plan = [p for p in plan if len(p) == self.batch]  # full batches only: every step the same size
         return iter_batches(self.data, plan)
 

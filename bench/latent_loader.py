@@ -54,6 +54,7 @@ import polars as pl
 
 from bench._common import BENCH_DATA, load_average, machine, python_module, result_line, run_measured
 from sdforge.config import Phase
+from sdforge.latents.bucket_batches import BatchSplit
 from sdforge.latents.loader import LatentIndexDataset, iter_batches, rank_batches, to_float32
 from sdforge.latents.store import MANIFEST, resolution_dir, shard_path, write_shard
 from stages.mix_phase import build_index
@@ -272,7 +273,7 @@ def child(design: str, root: Path) -> None:
     t0 = time.perf_counter()
     if design == "ours":
         data = LatentIndexDataset(root / "mix.parquet", root / "store", RESOLUTION)
-        batches = iter_batches(data, rank_batches(data.sample_bucket, 0, 0, 0, 1, BATCH))
+        batches = iter_batches(data, rank_batches(data.sample_bucket, 0, 0, 0, BatchSplit(BATCH, 1, 1)))
         n = len(data)
     else:
         index = pl.read_parquet(root / "mix.parquet")
@@ -300,7 +301,7 @@ def child(design: str, root: Path) -> None:
             list(pool.map(load, range(n), chunksize=256))
 
         def ram_batches():
-            for b, pos in enumerate(rank_batches(sample_bucket, 0, 0, 0, 1, BATCH)):
+            for b, pos in enumerate(rank_batches(sample_bucket, 0, 0, 0, BatchSplit(BATCH, 1, 1))):
                 bucket = sample_bucket[pos[0]]
                 yield b, to_float32(latents[bucket][slot[pos]]), torch.from_numpy(input_ids[pos]).long()
 

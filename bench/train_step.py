@@ -46,7 +46,7 @@ from model.diffusion import TrainingEMA, build_lr_scheduler
 from model.precision import uses_bf16_autocast
 from sdforge.config import load_params
 from sdforge.training.checkpoints import Progress
-from sdforge.training.distributed import Dist
+from sdforge.training.distributed import Dist, step_seeds
 from sdforge.training.optimizers import build_optimizer
 from sdforge.training.trainer import Trainer
 
@@ -116,7 +116,8 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_=False):
     ids = torch.zeros(batch, 77, dtype=torch.long)
 
     def step(latents):
-        tr.micro_step(latents, ids, 1.0, sync=True)
+        seeds = step_seeds(tr.generator, latents.shape[0])
+        tr.micro_step(latents, ids, seeds, 1.0, sync=True)
         tr.optimizer_step()
 
     return step

@@ -80,12 +80,15 @@ def min_snr_weights(scheduler: DDPMScheduler, timesteps: torch.Tensor, gamma: fl
     return clipped / (snr + 1.0)
 
 
-def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """MSE per sample (mean over C,h,w), weighted per sample, averaged over the batch (fp32)."""
+def diffusion_loss(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None, reduce: bool = True
+) -> torch.Tensor:
+    """MSE per sample (mean over C,h,w), weighted per sample, averaged over the batch (fp32); the per-sample
+    values when not ``reduce``."""
     per_sample = (pred.float() - target.float()).pow(2).mean(dim=tuple(range(1, pred.ndim)))
     if weights is not None:
         per_sample = per_sample * weights.to(per_sample.dtype)
-    return per_sample.mean()
+    return per_sample.mean() if reduce else per_sample
 
 
 def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator: Generators) -> torch.Tensor:
@@ -159,8 +162,10 @@ def denoising_loss(
     noise_offset: float = 0.0,
     logit_normal: tuple[float, float] | None = None,
     input_perturbation: float = 0.0,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE.
+    """One micro-batch's loss: noise the latents at random timesteps, predict, Min-SNR-weighted MSE (per
+    sample when not ``reduce``: the trainer's sample ledger keeps each sample's loss).
 
     ``noise_offset`` (:func:`training_noise`): without it the scaled-linear schedule leaks the latents'
     low-frequency content even at t≈999, so the model learns global colour from the noisy input
@@ -179,7 +184,7 @@ def denoising_loss(
     noisy = scheduler.add_noise(latents, model_noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample
     target = training_target(scheduler, latents, noise, timesteps)
-    return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma))
+    return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma), reduce)
 
 
 def ema_decay(step: int, peak: float) -> float:

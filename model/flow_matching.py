@@ -53,8 +53,10 @@ def flow_matching_loss(
     shift: float = 1.0,
     noise_offset: float = 0.0,
     input_perturbation: float = 0.0,
+    reduce: bool = True,
 ) -> torch.Tensor:
-    """One micro-batch's rectified-flow loss: MSE between the UNet's output and ``ε − x0``.
+    """One micro-batch's rectified-flow loss: MSE between the UNet's output and ``ε − x0`` (per sample when
+    not ``reduce``).
 
     Draw order per sample (as :func:`model.diffusion.denoising_loss`): noise, its offset, σ, then the
     input perturbation ``ξ`` — the model sees ``x_σ`` built from ``ε + γ·ξ``, the target keeps ``ε``.
@@ -67,4 +69,4 @@ def flow_matching_loss(
         model_noise = noise + input_perturbation * xi
     x_t = interpolate(latents, model_noise, sigma)
     pred = unet(x_t, sigma * num_train_timesteps, encoder_hidden_states=cond).sample
-    return diffusion_loss(pred, noise - latents, None)
+    return diffusion_loss(pred, noise - latents, None, reduce)

@@ -640,6 +640,15 @@ class Train(Section):
     """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
     gradient_checkpointing: bool = False
     channels_last: bool = False
+    preempt_grace_s: float = Field(25.0, gt=0)
+    """On SIGTERM (a Kubernetes pod deletion, a spot/preemptible notice) the ranks stop at the next step
+    boundary and write a checkpoint if it fits in this many seconds from the signal (estimated from the
+    measured write time); otherwise they keep the last good one. Set it a few seconds under the pod's
+    ``terminationGracePeriodSeconds`` (30 by default). docs/RESILIENCE.md."""
+    hang_timeout_s: float | None = Field(None, gt=0)
+    """A rank whose step (or collective) makes no progress for this long dumps every thread's stack into the
+    stage log, names the lagging rank(s) and exits non-zero (the orchestrator retries from the last
+    checkpoint). null: 20 × the slowest step so far, at least 300 s; checkpoints and validation get 10 × it."""
     deterministic: bool = False
     """``torch.use_deterministic_algorithms`` (warn-only: ops without a deterministic kernel warn, not fail),
     cuDNN autotuning off and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set: on CUDA a killed and resumed run

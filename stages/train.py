@@ -27,18 +27,36 @@ import torch
 from sdforge.config import ConfigError, Params, Train, load_params
 from sdforge.io import InputError, loss_curve_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
+from sdforge.training.exits import PREEMPTED, clear_markers, read_marker, write_marker
 from sdforge.training.launch import launch, needs_launch, torchrun_command
+from sdforge.training.ledger import audit, read_ledger, source_summary
 from sdforge.training.phase_run import NOT_TRAINING, export_phase, fingerprint, prepare_run_dir, tail_mean
+from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.resume import restore_newest
 from sdforge.training.step_log import StepLogger, write_loss_curve
-from sdforge.training.trainer import Trainer, train_loop
+from sdforge.training.trainer import Trainer, start_ledger, train_loop
+from sdforge.training.watchdog import Watchdog, check_ranks_agree
+from sdforge.training.watchdog import fingerprint as watchdog_fingerprint
 
 log = logging.getLogger(__name__)
 
 
 def run(params: Params, phase_name: str) -> dict:
-    """Train one phase (resuming if possible); export its weights; return metrics."""
+    """Train one phase (resuming if possible); export its weights; return metrics.
+
+    SIGTERM stops it at the next step boundary with a checkpoint (:class:`Preempted`, exit status
+    :data:`~sdforge.training.exits.PREEMPTED` from the CLI); a hang trips the watchdog (status
+    :data:`~sdforge.training.exits.HUNG`). docs/RESILIENCE.md.
+    """
     torch.manual_seed(params.train.seed)
+    notice = PreemptionNotice()
+    try:
+        return _train(params, phase_name, notice)
+    finally:
+        notice.close()
+
+
+def _train(params: Params, phase_name: str, notice: PreemptionNotice) -> dict:
     dist = init_distributed()
     tr = Trainer(params, phase_name, dist)
     paths = params.paths
@@ -46,26 +64,58 @@ def run(params: Params, phase_name: str) -> dict:
     fp = fingerprint(
         Path(paths.mixes) / f"{phase_name}.parquet",
         Path(paths.checkpoints) / tr.phase.init_from,
-        extra={
-            "phase": tr.phase.model_dump(),
-            "train": params.train.model_dump(exclude=NOT_TRAINING),
-            "world": dist.world,
-        },
+        extra={"phase": tr.phase.model_dump(), "train": params.train.model_dump(exclude=NOT_TRAINING)},
     )
     prepare_run_dir(run_dir, fp, dist.is_main)
+    if dist.is_main:
+        clear_markers(run_dir)
     restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
+    start_ledger(tr, run_dir)
+    check_ranks_agree(dist, _rank_facts(params, tr, fp))
     resumed_at = tr.progress.step
     start = time.perf_counter()
     logger = StepLogger(params, phase_name, tr, run_dir) if dist.is_main else None
+    watchdog = Watchdog(dist, params.train.hang_timeout_s, run_dir=run_dir)
     try:
-        losses = train_loop(tr, run_dir, on_step=logger.log if logger else None)
+        losses = train_loop(tr, run_dir, on_step=logger.log if logger else None, notice=notice, watchdog=watchdog)
+        watchdog.close()
         metrics = _finish(params, phase_name, tr, losses, resumed_at, time.perf_counter() - start, logger)
+    except Preempted as stop:
+        if dist.is_main:
+            info = {"step": stop.step, "checkpoint": str(stop.checkpoint) if stop.checkpoint else None}
+            write_marker(run_dir, PREEMPTED, {**info, "after_sigterm_s": round(stop.elapsed_s, 2)})
+        if dist.world > 1:
+            _leave_process_group(tr)
+        raise
     finally:
+        watchdog.close()
         if logger:
             logger.close()
     if dist.world > 1:
         _leave_process_group(tr)
     return metrics
+
+
+def _rank_facts(params: Params, tr: Trainer, fp: str) -> dict:
+    """What every rank must agree on before step 0 (:func:`sdforge.training.watchdog.check_ranks_agree`)."""
+    per_epoch = [len(plan.micro_batches(tr.dist.rank, tr.split)) for plan in _plans(tr)]
+    if os.environ.get("SDFORGE_FAULT_EXTRA_BATCH_RANK") == str(tr.dist.rank):  # fault injection (tests)
+        per_epoch[0] += 1
+    config = params.model_dump(mode="json")
+    config["train"].pop("node_rank", None)
+    return {
+        "micro_batches_per_epoch": per_epoch,
+        "split": [tr.split.micro, tr.split.accum, tr.split.world],
+        "resume_step": tr.progress.step,
+        "data": watchdog_fingerprint([len(tr.data), tr.data.buckets, tr.data.sources, fp]),
+        "config": watchdog_fingerprint(config),
+    }
+
+
+def _plans(tr: Trainer):
+    from sdforge.latents.bucket_batches import plan_epochs
+
+    return plan_epochs(tr.data.sample_bucket, tr.phase.epochs, tr.cfg.seed, tr.split.global_batch, tr.cfg.bucket_tail)
 
 
 def _leave_process_group(tr: Trainer) -> None:
@@ -101,9 +151,8 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         "mean_loss": None,
         "world_size": dist.world,
         "seconds": round(elapsed, 2),
-        "samples_per_s": round(
-            trained * tr.phase.batch_size * tr.phase.grad_accum * dist.world / max(elapsed, 1e-9), 2
-        ),
+        "samples_per_s": round(trained * tr.split.global_batch / max(elapsed, 1e-9), 2),
+        "global_batch": tr.split.global_batch,
     }
     metrics.update(resolution=params.phase_resolution(phase_name), objective=tr.objective, **tr.bucket_counts)
     metrics.update(tr.parameter_counts())
@@ -111,8 +160,24 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         curve = loss_curve_path(paths.metrics, phase_name)
         metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)
         export_phase(tr, Path(paths.checkpoints) / phase_name, final_loss)
+        metrics.update(_ledger_metrics(tr, Path(paths.runs) / phase_name, Path(paths.checkpoints) / phase_name))
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)
     return metrics
+
+
+def _ledger_metrics(tr: Trainer, run_dir: Path, out_dir: Path) -> dict:
+    """The ledger's audit (exactly-once per epoch), per-source counts, losses and realised vs planned mix;
+    the whole ledger is written to ``out_dir/ledger.parquet`` beside the exported weights."""
+    import pyarrow.parquet as pq
+
+    ledger = read_ledger(run_dir, tr.ledger_segments)
+    pq.write_table(ledger, out_dir / "ledger.parquet", compression="zstd")
+    phase = tr.phase
+    planned = {k: (v / phase.samples if phase.mix_is_counts else v) for k, v in phase.mix.items()}
+    figures = audit(ledger, list(_plans(tr)), tr.epoch_lengths)
+    if figures["ledger.duplicates"] or figures["ledger.missing"] or figures["ledger.unplanned"]:
+        log.error("train@%s: the sample ledger is not exactly-once: %s", tr.phase_name, figures)
+    return {**figures, **source_summary(ledger, planned)}
 
 
 def _cli_args(argv: list[str]) -> argparse.Namespace:
@@ -134,7 +199,13 @@ def _relaunch(cfg: Train, argv: list[str]) -> None:
     """Run this stage under torchrun; a non-zero status fails the stage with that status."""
     setup_logging()
     phase = _cli_args(argv).item
+    started = time.time()
     rc = launch(torchrun_command(cfg, argv, module="stages.train"))
+    marker = read_marker(_run_dir(argv), started) if rc != 0 else None
+    if marker:
+        status, info = marker
+        log.warning("train@%s: the ranks stopped with status %d (%s); rerunning resumes", phase, status, info)
+        raise SystemExit(status)
     if rc != 0:
         log.error(
             "train@%s: torchrun (%d node(s) x %d process(es)) exited with status %d; the failing rank's error "
@@ -148,6 +219,11 @@ def _relaunch(cfg: Train, argv: list[str]) -> None:
     log.info("train@%s: torchrun finished (rank 0 exported the weights and metrics)", phase)
 
 
+def _run_dir(argv: list[str]) -> Path:
+    args = _cli_args(argv)
+    return Path(load_params(args.params).paths.runs) / args.item
+
+
 def _rank_cli(argv: list[str]) -> None:
     """A non-zero rank: train, but leave the metrics JSON (and everything else written once) to rank 0."""
     args = _cli_args(argv)
@@ -157,6 +233,14 @@ def _rank_cli(argv: list[str]) -> None:
     except (ConfigError, InputError) as err:
         log.error("%s", err)
         raise SystemExit(2) from None
+
+
+def _exit_preempted(argv: list[str], stop: Preempted) -> None:
+    log.warning(
+        "train@%s: %s; exiting with status %d (rerunning, or the flow's retry, resumes from the newest checkpoint)",
+        _cli_args(argv).item, stop, PREEMPTED,
+    )
+    raise SystemExit(PREEMPTED) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,10 +253,14 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _launch_config(argv)
     if cfg is not None and needs_launch(cfg, os.environ):
         _relaunch(cfg, argv)
-    elif int(os.environ.get("RANK", "0")) == 0:
-        stage_cli("train", run, argv=argv)
-    else:
-        _rank_cli(argv)
+        return
+    try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            stage_cli("train", run, argv=argv)
+        else:
+            _rank_cli(argv)
+    except Preempted as stop:
+        _exit_preempted(argv, stop)
 
 
 if __name__ == "__main__":

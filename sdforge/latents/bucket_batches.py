@@ -1,10 +1,14 @@
 """Batches by aspect-ratio bucket: every batch holds samples of one shape (issue 18's loader order; no I/O).
 
-An epoch's plan is a list of *global* batches of ``world × batch_size`` sample positions, each from one
-bucket; rank ``r`` takes positions ``[r·batch_size, (r+1)·batch_size)`` of each, so at every step all ranks
-train on the same shape and their samples are disjoint. The plan is a pure function of (bucket of each
-sample, epoch, seed, world, batch size, tail mode): every rank computes the same one, and a run resumed
-at batch ``k`` starts at ``plan[k]`` without reading the batches before it.
+An epoch's plan is a list of *global* batches: the samples of one optimizer step, ``global_batch`` sample
+positions each, all from one bucket. How a global batch is cut over ranks and accumulation micro-steps is a
+:class:`BatchSplit` (per-rank micro-batch × accumulation × world = global batch): micro-step ``k`` of rank
+``r`` takes positions ``[(k·world + r)·micro, (k·world + r + 1)·micro)``, so at every step all ranks train
+on the same shape and their samples are disjoint. The plan is a pure function of (bucket of each sample,
+epoch, seed, global batch, tail mode) — never of the world size: every rank computes the same one, a run
+resumed at step ``k`` of the epoch starts at ``plan[k]`` without reading the batches before it, and a run
+resumed on another number of ranks (with the same global batch) trains on exactly the samples not yet
+trained on (docs/ELASTIC.md).
 
 Per bucket, the samples are shuffled with a seed of (seed, epoch, bucket) and cut into global batches; the
 batches of all buckets are then shuffled together with a seed of (seed, epoch). A bucket's tail smaller
@@ -23,6 +27,24 @@ import numpy as np
 TAIL_MODES = ("drop", "carry")
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one global batch is cut: ``world`` ranks × ``accum`` micro-steps × ``micro`` samples."""
+
+    micro: int
+    accum: int
+    world: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def part(self, k: int, rank: int) -> slice:
+        """The positions in a global batch of rank ``rank``'s micro-step ``k``."""
+        start = (k * self.world + rank) * self.micro
+        return slice(start, start + self.micro)
+
+
 @dataclass
 class EpochPlan:
     """One epoch's global batches (arrays of sample positions), the bucket of each, and what was left out."""
@@ -32,9 +54,9 @@ class EpochPlan:
     left_out: dict[int, np.ndarray] = field(default_factory=dict)
     """Bucket → its tail this epoch (carried to the next epoch, or dropped)."""
 
-    def rank_batch(self, index: int, rank: int, batch_size: int) -> np.ndarray:
-        """Rank ``rank``'s slice of global batch ``index``."""
-        return self.batches[index][rank * batch_size : (rank + 1) * batch_size]
+    def micro_batches(self, rank: int, split: BatchSplit) -> list[np.ndarray]:
+        """Rank ``rank``'s micro-batches of the epoch, step by step (``split.accum`` per global batch)."""
+        return [batch[split.part(k, rank)] for batch in self.batches for k in range(split.accum)]
 
     def counts(self) -> dict[str, int]:
         """Samples trained per bucket (``samples.bucket<i>``) and left out (``left_out.bucket<i>``)."""
@@ -45,34 +67,32 @@ class EpochPlan:
         return out
 
 
-def plan_epoch(
-    sample_buckets: np.ndarray, epoch: int, seed: int, world: int, batch_size: int, tail: str = "drop"
-) -> EpochPlan:
+def plan_epoch(sample_buckets: np.ndarray, epoch: int, seed: int, global_batch: int, tail: str = "drop") -> EpochPlan:
     """The global batches of ``epoch`` for samples whose bucket ids are ``sample_buckets`` (position i: sample i)."""
     if tail not in TAIL_MODES:
         raise ValueError(f"tail must be one of {TAIL_MODES}, got {tail!r}")
-    if world < 1 or batch_size < 1:
-        raise ValueError(f"world and batch_size must be >= 1, got {world}, {batch_size}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
     sample_buckets = np.asarray(sample_buckets)
     if sample_buckets.size and (sample_buckets.dtype.kind not in "iu" or sample_buckets.min() < 0):
         raise ValueError(f"bucket ids must be integers >= 0, got dtype {sample_buckets.dtype}")
     carried: dict[int, np.ndarray] = {}
     if tail == "carry":  # the tails of every earlier epoch, in order (cheap: permutations only)
         for earlier in range(epoch):
-            carried = _cut(sample_buckets, earlier, seed, world * batch_size, carried).left_out
-    return _cut(sample_buckets, epoch, seed, world * batch_size, carried)
+            carried = _cut(sample_buckets, earlier, seed, global_batch, carried).left_out
+    return _cut(sample_buckets, epoch, seed, global_batch, carried)
 
 
 def plan_epochs(
-    sample_buckets: np.ndarray, epochs: int, seed: int, world: int, batch_size: int, tail: str = "drop"
+    sample_buckets: np.ndarray, epochs: int, seed: int, global_batch: int, tail: str = "drop"
 ) -> Iterator[EpochPlan]:
     """:func:`plan_epoch` for epochs ``0 .. epochs-1`` in one pass (each epoch's carried tails come from the
     previous plan: linear in ``epochs``, where calling :func:`plan_epoch` per epoch replays every earlier one)."""
     carried: dict[int, np.ndarray] = {}
     for epoch in range(epochs):
-        plan = plan_epoch(sample_buckets, 0, seed, world, batch_size, tail) if epoch == 0 else None  # validates
+        plan = plan_epoch(sample_buckets, 0, seed, global_batch, tail) if epoch == 0 else None  # validates
         if plan is None:
-            plan = _cut(np.asarray(sample_buckets), epoch, seed, world * batch_size, carried)
+            plan = _cut(np.asarray(sample_buckets), epoch, seed, global_batch, carried)
         carried = plan.left_out if tail == "carry" else {}
         yield plan
 

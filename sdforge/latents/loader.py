@@ -8,13 +8,11 @@ every DDP rank on the node.
 
 Every rank sees a disjoint part of the epoch (same number of batches on every rank, so DDP ranks step
 together), and iteration can start at any batch offset without touching the skipped batches (mid-epoch
-resume). The epoch's order (:func:`rank_batches`):
-
-* one bucket (square-only): a seeded permutation strided by rank, cut into batches, the last one partial
-  (:func:`rank_order`; the order every figure before buckets was measured with);
-* several buckets: :func:`sdforge.latents.bucket_batches.plan_epoch`: every global batch holds one
-  bucket's samples, so at each step all ranks train on one shape; a bucket's tail smaller than a global
-  batch is dropped or carried to the next epoch (``train.bucket_tail``).
+resume). The epoch's order (:func:`rank_batches`) is :func:`sdforge.latents.bucket_batches.plan_epoch`'s: one
+global batch (one optimizer step's samples) per step, each from one bucket, so at each step all ranks train on
+one shape; a bucket's tail smaller than a global batch is dropped or carried to the next epoch
+(``train.bucket_tail``). The order depends on the global batch, never on the world size (elastic resume).
+Before issue 22 a one-bucket phase used a permutation strided by rank with a partial last batch.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sdforge.io import InputError
-from sdforge.latents.bucket_batches import plan_epoch, plan_epochs
+from sdforge.latents.bucket_batches import BatchSplit, plan_epoch, plan_epochs
 from sdforge.latents.store import ShardArrays, open_shard, shard_path
 
 log = logging.getLogger(__name__)
@@ -60,6 +58,11 @@ class LatentIndexDataset:
         self._sid = sid.reshape(-1).astype(np.int32)
         keys = np.stack([keys >> 56, (keys >> 16) & (2**40 - 1), keys & 0xFFFF])
         self._row = index.row
+        self.sources: list[str] = index.sources
+        """The index's source names, sorted; ``source_code[i]`` is sample ``i``'s position in it."""
+        self.source_code = index.source_code.astype(np.int16)
+        self.shard = index.shard
+        """Sample ``i``'s shard number and row in it: ``(sources[source_code[i]], shard[i], row[i])`` names it."""
         self._shards: list[ShardArrays] = []
         self._ids_fetched: set[int] = set()
         self.latent_shapes: dict[int, tuple[int, ...]] = {}
@@ -107,6 +110,10 @@ class LatentIndexDataset:
 
     def __len__(self) -> int:
         return self._row.shape[0]
+
+    @property
+    def row(self) -> np.ndarray:
+        return self._row
 
     def gather(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents fp32 [B, C, h, w], input_ids int64 [B, 77])`` of the samples at index ``positions``
@@ -243,53 +250,24 @@ def _open_checked(
         raise InputError(f"{where}: {err}") from None
 
 
-def rank_order(num_samples: int, epoch: int, seed: int, rank: int, world: int) -> np.ndarray:
-    """Sample positions this rank visits in ``epoch``: a seeded permutation, strided by rank.
-
-    The permutation is truncated to a multiple of ``world`` so every rank has the same length.
-    """
-    perm = np.random.default_rng([seed, epoch]).permutation(num_samples)
-    usable = (num_samples // world) * world
-    return perm[:usable][rank::world]
-
-
-def batches_per_epoch(num_samples: int, world: int, batch_size: int) -> int:
-    """Batches per rank per epoch of a one-bucket index (the last one may be partial)."""
-    return -(-(num_samples // world) // batch_size)
-
-
 def rank_batches(
-    sample_bucket: np.ndarray, epoch: int, seed: int, rank: int, world: int, batch_size: int, tail: str = "drop"
+    sample_bucket: np.ndarray, epoch: int, seed: int, rank: int, split: BatchSplit, tail: str = "drop"
 ) -> list[np.ndarray]:
-    """The sample positions of each of this rank's batches in ``epoch`` (see the module docstring): with one
-    bucket, :func:`rank_order` cut into batches; with several, this rank's slices of
-    :func:`~sdforge.latents.bucket_batches.plan_epoch`'s global batches."""
-    sample_bucket = np.asarray(sample_bucket)
-    if sample_bucket.size == 0 or sample_bucket.max() == sample_bucket.min():
-        order = rank_order(sample_bucket.size, epoch, seed, rank, world)
-        n = batches_per_epoch(sample_bucket.size, world, batch_size)
-        return [order[b * batch_size : (b + 1) * batch_size] for b in range(n)]
-    plan = plan_epoch(sample_bucket, epoch, seed, world, batch_size, tail)
-    return [plan.rank_batch(i, rank, batch_size) for i in range(len(plan.batches))]
+    """The sample positions of each of this rank's micro-batches in ``epoch``, step by step: this rank's parts
+    (``split``) of :func:`~sdforge.latents.bucket_batches.plan_epoch`'s global batches."""
+    plan = plan_epoch(np.asarray(sample_bucket), epoch, seed, split.global_batch, tail)
+    return plan.micro_batches(rank, split)
 
 
 def epochs_summary(
-    data: LatentIndexDataset, epochs: int, seed: int, world: int, batch_size: int, tail: str = "drop"
+    data: LatentIndexDataset, epochs: int, seed: int, global_batch: int, tail: str = "drop"
 ) -> tuple[list[int], dict[str, int]]:
-    """Batches per rank in each epoch, and per bucket ``W x H`` the samples trained (all ranks, all epochs:
-    ``bucket.WxH.samples``) and left out (dropped tails, or the tails a carry leaves at an epoch's end:
-    ``bucket.WxH.left_out``)."""
+    """Optimizer steps (global batches) in each epoch, and per bucket ``W x H`` the samples trained (all ranks,
+    all epochs: ``bucket.WxH.samples``) and left out (dropped tails, or the tails a carry leaves at an epoch's
+    end: ``bucket.WxH.left_out``)."""
     names = [f"{w}x{h}" for w, h in data.buckets]
-    if len(data.buckets) == 1:
-        n = len(data)
-        per_epoch = batches_per_epoch(n, world, batch_size)
-        usable = n // world * world
-        return [per_epoch] * epochs, {
-            f"bucket.{names[0]}.samples": usable * epochs,
-            f"bucket.{names[0]}.left_out": (n - usable) * epochs,
-        }
     lengths, counts = [], dict.fromkeys([f"bucket.{n}.{k}" for n in names for k in ("samples", "left_out")], 0)
-    for plan in plan_epochs(data.sample_bucket, epochs, seed, world, batch_size, tail):
+    for plan in plan_epochs(data.sample_bucket, epochs, seed, global_batch, tail):
         lengths.append(len(plan.batches))
         for key, value in plan.counts().items():
             kind, bucket = key.split(".bucket")

@@ -3,12 +3,14 @@
 Layout of one checkpoint ``<run_dir>/checkpoint-<step:08d>/``:
 - ``unet/`` — live weights (``save_pretrained``, safetensors); an adapter phase writes ``adapter/`` instead
   (the trained tensors only: :meth:`sdforge.training.trainer.Trainer.write_live_weights`);
-- ``state.pt`` — optimizer, LR scheduler, EMA (shadow params), progress (step/epoch/batch), loss;
+- ``state.pt`` — optimizer, LR scheduler, EMA (shadow params), progress (step/epoch/batch), loss, global batch;
 - ``rng-rank<k>.pt`` — one per rank: python ``random``, numpy, torch CPU/CUDA and the rank's generator;
 - ``config.json`` — the resolved params the run was started with;
-- ``COMPLETE`` — written last: a JSON manifest (step, epoch, batch, loss, world, fingerprint, and the
-  size + sha256 of every other file). A directory without it is an interrupted write; a file whose
-  size or hash differs from the manifest (truncated, corrupted, missing) makes the checkpoint bad.
+- ``COMPLETE`` — written last: a JSON manifest (step, epoch, batch, loss, world, global batch, fingerprint,
+  the sample-ledger segments that cover steps 1…step (:mod:`sdforge.training.ledger`, kept in the run dir's
+  ``ledger/``, not in the checkpoint), and the size + sha256 of every other file). A directory without it is
+  an interrupted write; a file whose size or hash differs from the manifest (truncated, corrupted, missing)
+  makes the checkpoint bad.
 ``.pt`` files are read with ``torch.load(weights_only=True)``: no arbitrary unpickling.
 A checkpoint is written under a temp name and renamed (``os.replace``), so a kill never leaves a half
 one under the final name. Retention (:func:`retained`): the newest ``keep_last`` ∪ every step that is a
@@ -39,7 +41,8 @@ PREFIX = "checkpoint-"
 COMPLETE = "COMPLETE"
 STATE = "state.pt"
 CONFIG = "config.json"
-FORMAT = 2
+FORMAT = 3
+"""3: ``batch`` counts optimizer steps in the epoch (2: micro-batches), the global batch is recorded."""
 
 
 class CheckpointError(Exception):
@@ -173,12 +176,14 @@ def save_checkpoint(
     rng: list[dict[str, Any]] | None = None,
     loss: float | None = None,
     config: dict[str, Any] | None = None,
+    ledger: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write a checkpoint atomically (temp dir, manifest last, ``os.replace``), then prune by ``retention``.
 
     ``write_weights(folder)`` writes the live weights into the checkpoint's (temporary) folder. ``rng`` holds
     one RNG state per rank (index = rank; its length is the world size); ``loss`` is the
-    mean training loss since the previous checkpoint (for ``keep_best``).
+    mean training loss since the previous checkpoint (for ``keep_best``); ``ledger`` lists the ledger
+    segments (name, rows, sha256) that cover steps 1…``progress.step``.
     """
     rng = rng or []
     final = run_dir / checkpoint_name(progress.step)
@@ -196,6 +201,8 @@ def save_checkpoint(
         **vars(progress),
         "loss": loss,
         "world": len(rng),
+        "global_batch": state.get("global_batch"),
+        "ledger": ledger or [],
         "fingerprint": stamp.read_text().strip() if stamp.is_file() else None,
         "files": _file_table(tmp),
     }
@@ -225,18 +232,21 @@ def prune(run_dir: Path, retention: Retention) -> list[Path]:
 
 
 def load_state(ckpt: Path, rank: int = 0, world: int = 1, verify: bool = True) -> dict[str, Any]:
-    """``state.pt`` + this rank's RNG (as ``state["rng"]``), after checking the manifest when ``verify``.
+    """``state.pt`` + an RNG state (as ``state["rng"]``), after checking the manifest when ``verify``.
 
-    A checkpoint written by another world size, or lacking this rank's RNG file, is a CheckpointError
-    (the data order and per-rank streams depend on the world size, so it cannot continue bit-exactly).
+    ``state["world"]`` is the world size that wrote it. At the same world size the RNG is this rank's own
+    (resume is bit-exact); on another one it is rank 0's, whose shared sample generator every rank continues
+    (the per-rank streams are then re-derived: :func:`sdforge.training.distributed.derive_rank_rng`).
+    A missing RNG file is a CheckpointError naming it.
     """
     manifest = verify_checkpoint(ckpt) if verify else read_manifest(ckpt)
-    if manifest["world"] != world:
-        raise CheckpointError(f"{ckpt}: written by {manifest['world']} rank(s), this job has {world}")
-    if not rng_path(ckpt, rank).is_file():
-        raise CheckpointError(f"{ckpt}: no {rng_path(ckpt, rank).name} for rank {rank}")
+    source = rank if manifest["world"] == world else 0
+    if not rng_path(ckpt, source).is_file():
+        raise CheckpointError(f"{ckpt}: no {rng_path(ckpt, source).name} for rank {rank}")
     state = torch.load(ckpt / STATE, map_location="cpu", weights_only=True)
-    state["rng"] = torch.load(rng_path(ckpt, rank), map_location="cpu", weights_only=True)
+    state["rng"] = torch.load(rng_path(ckpt, source), map_location="cpu", weights_only=True)
+    state["world"] = manifest["world"]
+    state["ledger"] = manifest.get("ledger", [])
     if verify:
         for weights in ckpt.rglob("*.safetensors"):
             with safe_open(weights, "pt"):  # header parses

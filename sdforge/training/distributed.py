@@ -1,10 +1,13 @@
 """Process-group setup that runs unchanged with and without ``torchrun`` (nanoGPT-style), and the RNG scheme.
 
 Randomness (noise, timesteps, CFG drop) is drawn per sample, from a stream seeded from one
-generator that every rank holds in the same state (:func:`sample_generators`). A sample's draws
-therefore depend only on its place in the *global* micro-batch, not on the rank or the world size:
-N ranks with batch B train like one process with batch N·B (``tests/sdforge/training/test_ddp.py``), and the
-generator state saved by rank 0 resumes every rank.
+generator that every rank holds in the same state (:func:`step_seeds`): each optimizer step draws one seed
+per sample of the *global* batch, and a sample's draws depend only on its place in the global batch, not on
+the rank, the world size or the accumulation: N ranks with batch B train like one process with batch N·B
+(``tests/sdforge/training/test_ddp.py``), and the generator state saved by rank 0 resumes every rank, on any
+world size. What else is random per rank (torch's global RNG: adapter dropout) is restored from the
+checkpoint at an unchanged world size, and re-derived from (seed, step, rank) when it changed
+(:func:`derive_rank_rng`).
 """
 
 from __future__ import annotations
@@ -47,13 +50,25 @@ def init_distributed() -> Dist:
 SEED_RANGE = 2**62
 
 
-def sample_generators(shared: torch.Generator, batch: int, rank: int, world: int) -> list[torch.Generator]:
-    """One CPU generator per row of this rank's micro-batch of ``batch`` rows.
+def step_seeds(shared: torch.Generator, global_batch: int) -> torch.Tensor:
+    """One seed per sample of an optimizer step's global batch (in plan order); ``shared`` advances alike on
+    every rank."""
+    return torch.randint(SEED_RANGE, (global_batch,), generator=shared)
 
-    ``shared`` (same state on every rank) gives ``world * batch`` seeds, one per row of the global
-    micro-batch; rank ``r`` takes rows ``r::world`` — the striding of
-    :func:`sdforge.latents.loader.rank_order`, so row ``j`` of rank ``r`` is the sample that one process
-    with batch ``world * batch`` holds in row ``j * world + r``. ``shared`` advances alike on all ranks.
-    """
-    seeds = torch.randint(SEED_RANGE, (world * batch,), generator=shared)[rank::world]
+
+def part_generators(seeds: torch.Tensor) -> list[torch.Generator]:
+    """One CPU generator per sample from its seed (a micro-batch's part of :func:`step_seeds`)."""
     return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+def derive_rank_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this process's python, numpy and torch (CPU, CUDA) RNGs from (seed, step, rank): the per-rank
+    streams of a run resumed on another world size, a function of where it resumed only."""
+    import random
+
+    import numpy as np
+
+    derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] % SEED_RANGE)
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)  # CPU and every CUDA device

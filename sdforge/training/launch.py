@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK")
 """Set by torchrun in every rank: their presence means "already launched"."""
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTDOWN_MARGIN_S = 10
+"""torchrun's ``--shutdown_timeout`` is ``train.preempt_grace_s`` plus this."""
 
 
 def needs_launch(cfg: Train, env: Mapping[str, str]) -> bool:
@@ -48,6 +51,10 @@ def torchrun_command(cfg: Train, argv: Sequence[str], module: str = "stages.trai
         str(cfg.nnodes),
         "--node_rank",
         str(cfg.node_rank),
+        # after SIGTERM torchrun waits this long for the ranks (stopping at a step boundary, checkpointing)
+        # before SIGKILL; its default, 30 s, would cut a preemption checkpoint short
+        "--shutdown_timeout",
+        str(math.ceil(cfg.preempt_grace_s) + SHUTDOWN_MARGIN_S),
     ]
     if cfg.rdzv_endpoint:
         cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", cfg.rdzv_endpoint]

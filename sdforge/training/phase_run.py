@@ -19,8 +19,12 @@ from sdforge.training.trainer import LOSS_TAIL, Trainer
 
 log = logging.getLogger(__name__)
 
-NOT_TRAINING = {"validation_every", "validation_prompts"}
-"""``train`` settings that do not change the weights: changing them keeps a run's checkpoints resumable."""
+NOT_TRAINING = {
+    "validation_every", "validation_prompts", "log_every", "progress_bar", "preempt_grace_s", "hang_timeout_s",
+    "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint",
+}
+"""``train`` settings that leave a run resumable when changed: reporting, failure handling, and the job's shape
+(a run resumes on another world size with its global batch kept: docs/RESILIENCE.md)."""
 
 
 

@@ -21,6 +21,7 @@ import torch
 from sdforge.io import InputError, load_failure
 from sdforge.training import s3_checkpoints
 from sdforge.training.checkpoints import PREFIX, STATE, CheckpointError, checkpoint_dirs, load_state, rng_path
+from sdforge.training.elastic import SplitError
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,21 @@ def restore_newest(
     Candidates as in :func:`resume_point`, newest first. Rank 0 loads and ``restore``s each until one
     succeeds and broadcasts its name; the other ranks restore that one and report back; a failure on any
     rank rejects it for every rank (all stay on the same checkpoint). A failure is logged as a warning
-    naming the file. If checkpoints exist but none restores, every rank raises :class:`ResumeError`.
+    naming the file. If checkpoints exist but none restores, every rank raises :class:`ResumeError`; a run
+    that cannot continue on this job at all (:class:`~sdforge.training.elastic.SplitError`: its global batch
+    does not split over this world size) raises that on every rank, whatever the checkpoint.
     """
     rejected: list[str] = []  # rank 0: names (or URLs) of the candidates that failed
     candidates = _loadable(run_dir, world, s3_url, rejected) if rank == 0 else iter(())
     while True:
-        found = _restore_first(candidates, restore, rejected) if rank == 0 else None
-        name, bad = _broadcast((found.name if found else None, rejected), world)
+        fatal = None
+        try:
+            found = _restore_first(candidates, restore, rejected) if rank == 0 else None
+        except SplitError as err:
+            found, fatal = None, str(err)
+        name, bad, fatal = _broadcast((found.name if found else None, rejected, fatal), world)
+        if fatal:
+            raise SplitError(fatal)
         if name is None:
             break
         error = None if rank == 0 else _restore_named(run_dir / name, restore, rank, world)
@@ -103,6 +112,8 @@ def _restore_first(candidates: Iterator, restore: Restore, rejected: list[str]) 
         try:
             restore(ckpt, state)
             return ckpt
+        except SplitError:
+            raise
         except Exception as err:  # noqa: BLE001 - any failure to restore means "not a good checkpoint"
             log.warning(
                 "checkpoint %s is unreadable (%s); falling back to the previous one", ckpt, _failure(ckpt, 0, err)

@@ -1,7 +1,9 @@
 """Mirror a phase's checkpoints to S3 (boto3) and fetch the newest back on a fresh pod.
 
-Remote layout: ``<checkpoint_s3>/<phase>/checkpoint-<step:08d>/<same files as on disk>``. The endpoint
-is boto3's own: ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``) if set, else AWS.
+Remote layout: ``<checkpoint_s3>/<phase>/checkpoint-<step:08d>/<same files as on disk>``, and the sample
+ledger's segments under ``<checkpoint_s3>/<phase>/ledger/`` (uploaded before the checkpoint that lists them,
+fetched with it; :mod:`sdforge.training.ledger`). The endpoint is boto3's own: ``AWS_ENDPOINT_URL`` (or
+``AWS_ENDPOINT_URL_S3``) if set, else AWS.
 
 Upload protocol (:meth:`RemoteRun.upload`): delete whatever is under the checkpoint's prefix
 (``COMPLETE`` first), upload every file (multipart above ``multipart_threshold``), then the ``COMPLETE``
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sdforge.training.checkpoints import COMPLETE, PREFIX, CheckpointError, Retention, retained, verify_checkpoint
+from sdforge.training.ledger import LEDGER_DIR
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +136,29 @@ class RemoteRun:
             raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        self.download_ledger(remote.manifest.get("ledger", []), run_dir)
         return final
+
+    def upload_ledger(self, segment: Path) -> None:
+        """Upload one ledger segment (``<run dir>/ledger/<name>``) to ``<run>/ledger/<name>``."""
+        self.s3.upload_file(str(segment), self.bucket, self._key(LEDGER_DIR, segment.name), Config=self.transfer)
+
+    def download_ledger(self, entries: list[dict], run_dir: Path) -> None:
+        """Fetch the listed ledger segments that ``run_dir`` lacks; one missing remotely is a warning (the
+        ledger then has a gap the stage's audit reports; training is unaffected)."""
+        folder = run_dir / LEDGER_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in entries:
+            target = folder / entry["name"]
+            if target.is_file():
+                continue
+            tmp = folder / f".{entry['name']}.tmp"
+            try:
+                self.s3.download_file(self.bucket, self._key(LEDGER_DIR, entry["name"]), str(tmp), Config=self.transfer)
+            except Exception as err:  # noqa: BLE001 - a ledger gap must not stop a resume
+                log.warning("ledger segment %s/%s/%s not fetched (%s)", self.url, LEDGER_DIR, entry["name"], err)
+                continue
+            os.replace(tmp, target)
 
     def prune(self, retention: Retention, fingerprint: str | None = None) -> list[str]:
         """Apply ``retention`` to the remote checkpoints (of ``fingerprint``; others from other inputs go)."""
@@ -159,9 +184,11 @@ class BackgroundUploader:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s3-upload")
         self.pending: list[Future] = []
         self.failed = 0
+        self.uploaded_segments: set[str] = set()
 
-    def submit(self, ckpt: Path) -> None:
-        """Snapshot ``ckpt`` (hard links; copies where links fail) and queue its upload."""
+    def submit(self, ckpt: Path, ledger: list[Path] | tuple = ()) -> None:
+        """Snapshot ``ckpt`` and the ``ledger`` segments not uploaded yet (hard links; copies where links
+        fail) and queue their upload: segments first, then the checkpoint that lists them."""
         snap = self.spool / ckpt.name
         shutil.rmtree(snap, ignore_errors=True)
         try:
@@ -169,13 +196,27 @@ class BackgroundUploader:
         except OSError:
             shutil.rmtree(snap, ignore_errors=True)
             shutil.copytree(ckpt, snap)
-        future = self.pool.submit(self._upload, snap)
+        segments = []
+        for segment in ledger:
+            if segment.name in self.uploaded_segments:
+                continue
+            copy = self.spool / f"{snap.name}.{LEDGER_DIR}" / segment.name
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(segment, copy)
+            except OSError:
+                shutil.copy2(segment, copy)
+            segments.append(copy)
+        future = self.pool.submit(self._upload, snap, segments)
         self.pending.append(future)
         if self.sync:
             future.result()
 
-    def _upload(self, snap: Path) -> None:
+    def _upload(self, snap: Path, segments: list[Path] = ()) -> None:
         try:
+            for segment in segments:
+                self.remote.upload_ledger(segment)
+                self.uploaded_segments.add(segment.name)
             self.remote.upload(snap)
             fingerprint = json.loads((snap / COMPLETE).read_text()).get("fingerprint")
             self.remote.prune(self.retention, fingerprint)
@@ -184,6 +225,7 @@ class BackgroundUploader:
             log.error("upload of %s to %s failed (%s); the local checkpoint is kept", snap.name, self.remote.url, err)
         finally:
             shutil.rmtree(snap, ignore_errors=True)
+            shutil.rmtree(self.spool / f"{snap.name}.{LEDGER_DIR}", ignore_errors=True)
 
     def close(self) -> None:
         """Wait for every pending upload."""

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from sdforge.config import Params
 from sdforge.eval.grid import captioned_grid
 from sdforge.tracking import stage_run, summarise
+from sdforge.training.ledger import LEDGER_DIR
 from sdforge.training.trainer import Trainer
 from sdforge.training.validation import Validator
 
@@ -36,7 +37,9 @@ class StepLogger:
 
     Every ``train.log_every`` optimizer steps it logs the window's means of ``loss``, ``grad_norm``,
     ``step_time_s`` and ``data_wait_s`` (time blocked on the loader), the current ``lr``,
-    ``samples_per_s`` (all ranks: window samples × world ÷ window seconds) and, on CUDA,
+    ``samples_per_s`` (all ranks: window samples × world ÷ window seconds), per source of the phase's mix
+    ``loss.<source>`` (the window's mean loss over that source's samples, all ranks) and ``samples.<source>``
+    (samples trained so far in the phase, resumed runs included: the sample ledger's counts) and, on CUDA,
     ``gpu_mem_max_allocated_gb`` (the peak since the previous log).
     """
 
@@ -48,6 +51,7 @@ class StepLogger:
         self.losses: list[float] = []
         self.window: list[dict] = []
         self.world = tr.dist.world
+        self.source_samples = ledger_counts(run_dir, tr.ledger_segments)
         self.cuda = tr.dist.device if tr.dist.device.type == "cuda" else None
         self._ctx = stage_run(
             params.tracking,
@@ -71,6 +75,8 @@ class StepLogger:
         )
 
     def log(self, step: int, stats: dict) -> None:
+        for name, (_, count) in stats.get("sources", {}).items():
+            self.source_samples[name] = self.source_samples.get(name, 0) + int(count)
         self.steps_file.write(json.dumps({"step": step, **stats}, sort_keys=True) + "\n")
         self.steps_file.flush()
         self.losses.append(stats["loss"])
@@ -84,6 +90,7 @@ class StepLogger:
         n, seconds = len(self.window), sum(s["step_time_s"] for s in self.window)
         metrics = {k: sum(s[k] for s in self.window) / n for k in ("loss", "grad_norm", "step_time_s", "data_wait_s")}
         metrics["lr"] = stats["lr"]
+        metrics.update(self._source_metrics())
         metrics["samples_per_s"] = sum(s["samples"] for s in self.window) * self.world / max(seconds, 1e-9)
         if self.cuda is not None:
             metrics["gpu_mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.cuda) / 2**30
@@ -91,6 +98,18 @@ class StepLogger:
         self.mlflow.log_metrics(metrics, step=step)
         summarise(self.mlflow, metrics={k: metrics[k] for k in PARENT_STEP_METRICS}, step=step)
         self.window = []
+
+    def _source_metrics(self) -> dict[str, float]:
+        """``loss.<source>`` over the window and ``samples.<source>`` so far (the counts advance every step)."""
+        sums: dict[str, list[float]] = {}
+        for stats in self.window:
+            for name, (loss_sum, count) in stats.get("sources", {}).items():
+                acc = sums.setdefault(name, [0.0, 0])
+                acc[0] += loss_sum
+                acc[1] += count
+        out = {f"loss.{name}": acc[0] / acc[1] for name, acc in sums.items() if acc[1]}
+        out.update({f"samples.{name}": n for name, n in self.source_samples.items()})
+        return out
 
     def _log_validation(self, step: int) -> None:
         images = self.validator.images(self.tr)
@@ -127,6 +146,22 @@ def training_note(tr: Trainer, metrics: dict, out_dir: Path) -> str:
         f"{losses}; {metrics['seconds']:.0f} s, {metrics['samples_per_s']:.1f} samples/s.\n\n"
         f"**Weights**: `{out_dir}` (EMA: `unet_ema/`, live: `unet/`, diffusers format)."
     )
+
+
+def ledger_counts(run_dir: Path, entries: list[dict]) -> dict[str, int]:
+    """Samples per source in the ledger segments ``entries`` (what a resumed run had trained before)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    counts: dict[str, int] = {}
+    for entry in entries:
+        path = Path(run_dir) / LEDGER_DIR / entry["name"]
+        if not path.is_file():
+            continue
+        column = pq.read_table(path, columns=["source"])["source"].cast("string")
+        for item in pc.value_counts(column).to_pylist():
+            counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+    return counts
 
 
 def read_steps(run_dir: Path) -> dict[int, dict]:

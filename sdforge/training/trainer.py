@@ -1,7 +1,10 @@
 """The training job of one phase: model, optimizer, LR schedule, EMA, data, and the step loop.
 
 Everything needed to continue bit-exactly is in :meth:`Trainer.state` (saved with the live
-weights in each checkpoint); the data order is a pure function of (seed, epoch, rank).
+weights in each checkpoint); the data order is a pure function of (seed, epoch, global batch), cut over the
+ranks by a :class:`~sdforge.latents.bucket_batches.BatchSplit`. The loop stops cleanly on SIGTERM
+(:mod:`sdforge.training.preemption`), heartbeats a hang watchdog (:mod:`sdforge.training.watchdog`) and
+records every sample it trains on (:mod:`sdforge.training.ledger`).
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from diffusers import DDPMScheduler, UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
-from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denoising_loss, optimizer_steps
+from model.diffusion import TrainingEMA, build_lr_scheduler, cfg_dropout, denoising_loss
 from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
 from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Adapter, Params, Phase, Train
+from sdforge.latents.bucket_batches import plan_epoch
 from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
 from sdforge.training.checkpoints import (
     STATE,
@@ -35,8 +40,11 @@ from sdforge.training.checkpoints import (
     rng_path,
     save_checkpoint,
 )
-from sdforge.training.distributed import Dist, sample_generators
+from sdforge.training.distributed import Dist, derive_rank_rng, part_generators, step_seeds
+from sdforge.training.elastic import choose_split
+from sdforge.training.ledger import LEDGER_DIR, LedgerBuffer, keep_only, write_segment
 from sdforge.training.optimizers import build_optimizer
+from sdforge.training.preemption import Preempted, PreemptionNotice, agree
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
 from sdforge.training.unet_init import load_foreign_weights, load_init_unet
 
@@ -68,10 +76,13 @@ class Trainer:
         self._build_schedule()
         self.ema, self.ema_device = _build_ema(self.unet, self.trainable, self.cfg, dist.device)
         # Same state on every rank: per-sample streams are split off it
-        # (sdforge.training.distributed.sample_generators).
+        # (sdforge.training.distributed.step_seeds).
         self.generator = torch.Generator().manual_seed(self.cfg.seed * 1000)
         self.progress = Progress()
         self.loss_history: list[float] = []  # a resumed run's last losses before the checkpoint
+        self.ledger = LedgerBuffer(dist.rank)
+        self.ledger_segments: list[dict] = []
+        """The ledger segments of the checkpoint resumed from (then of each one written)."""
 
     def _load_conditioning(self, models: Path) -> None:
         """The noise scheduler, tokenizer, frozen text encoder and the empty prompt's embedding."""
@@ -82,22 +93,32 @@ class Trainer:
         self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
 
     def _build_schedule(self) -> None:
-        """The optimizer, the step counts of this phase and its LR schedule."""
-        phase, world = self.phase, self.dist.world
+        """The optimizer, and the global batch, step counts and LR schedule of a fresh run."""
+        phase = self.phase
         where = f"phases.{self.phase_name}.optimizer"
         self.optimizer = build_optimizer(phase.optimizer, self.trainable, phase.lr, self.cfg, self.dist.device, where)
+        self.set_global_batch(phase.batch_size * phase.grad_accum * self.dist.world)
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Plan the phase for ``global_batch`` samples per step (a fresh run's, or the resumed run's):
+        this job's split of it, the steps per epoch, the LR schedule (a SplitError if it does not split)."""
+        phase = self.phase
+        self.split = choose_split(global_batch, phase.batch_size, self.dist.world, self.phase_name)
         self.epoch_lengths, self.bucket_counts = epochs_summary(
-            self.data, phase.epochs, self.cfg.seed, world, phase.batch_size, self.cfg.bucket_tail
+            self.data, phase.epochs, self.cfg.seed, global_batch, self.cfg.bucket_tail
         )
-        self.total_steps = sum(optimizer_steps(n, 1, phase.grad_accum, 1) for n in self.epoch_lengths)
+        self.total_steps = sum(self.epoch_lengths)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps)
 
     def epoch_batches(self, epoch: int) -> list:
-        """This rank's batches (sample positions) of ``epoch``: :func:`sdforge.latents.loader.rank_batches`."""
-        phase, dist = self.phase, self.dist
+        """This rank's micro-batches (sample positions) of ``epoch``: :func:`sdforge.latents.loader.rank_batches`."""
         return rank_batches(
-            self.data.sample_bucket, epoch, self.cfg.seed, dist.rank, dist.world, phase.batch_size, self.cfg.bucket_tail
+            self.data.sample_bucket, epoch, self.cfg.seed, self.dist.rank, self.split, self.cfg.bucket_tail
         )
+
+    def epoch_plan(self, epoch: int):
+        """The global batches of ``epoch`` (every rank's): :func:`sdforge.latents.bucket_batches.plan_epoch`."""
+        return plan_epoch(self.data.sample_bucket, epoch, self.cfg.seed, self.split.global_batch, self.cfg.bucket_tail)
 
     def trainable_named(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trained weights by name (all of the UNet's, or the adapter's), in a fixed order."""
@@ -150,6 +171,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "ema": self.ema.state_dict(),
+            "global_batch": self.split.global_batch,
         }
 
     def restore(self, ckpt: Path, state: dict) -> None:
@@ -160,6 +182,11 @@ class Trainer:
         from safetensors only (a pickled ``.bin`` is refused, never unpickled).
         """
         self._load_live_weights(ckpt)
+        global_batch = state.get("global_batch")
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise CheckpointError(f"{ckpt / STATE}: no global batch recorded (written by an older sdforge)")
+        if global_batch != self.split.global_batch:
+            self.set_global_batch(global_batch)  # another world size: keep the run's global batch
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -170,15 +197,27 @@ class Trainer:
             raise CheckpointError(
                 f"{ckpt / STATE}: not this run's state ({type(err).__name__}: {_first_line(err)})"
             ) from err
+        same_world = state.get("world", self.dist.world) == self.dist.world
         try:
-            restore_rng(state["rng"], self.generator, self.dist.device)
+            if same_world:
+                restore_rng(state["rng"], self.generator, self.dist.device)
+            else:
+                self.generator.set_state(state["rng"]["generator"])
         except Exception as err:
-            rng = rng_path(ckpt, self.dist.rank)
+            rng = rng_path(ckpt, self.dist.rank if same_world else 0)
             raise CheckpointError(f"{rng}: not an RNG state ({type(err).__name__}: {_first_line(err)})") from err
+        if not same_world:
+            derive_rank_rng(self.cfg.seed, progress.step, self.dist.rank)
+            log.warning(
+                "resuming a checkpoint of %d rank(s) on %d: global batch %d kept (%d × %d accumulation per rank); "
+                "each sample is trained exactly once, per-rank RNG re-derived from (seed, step, rank)",
+                state["world"], self.dist.world, self.split.global_batch, self.split.micro, self.split.accum,
+            )
         self.progress = progress
         self.loss_history = list(state.get("recent_losses", []))
+        self.ledger_segments = list(state.get("ledger", []))
         log.info(
-            "resumed from %s at step %d (epoch %d, batch %d)",
+            "resumed from %s at step %d (epoch %d, step %d of it)",
             ckpt,
             self.progress.step,
             self.progress.epoch,
@@ -186,26 +225,32 @@ class Trainer:
         )
 
     # -- the loop --------------------------------------------------------------------------
-    def micro_step(self, latents: torch.Tensor, input_ids: torch.Tensor, scale: float, sync: bool) -> float:
-        """Forward + backward one micro-batch; gradients all-reduced only when ``sync``."""
+    def micro_step(
+        self, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool
+    ) -> torch.Tensor:
+        """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``); gradients
+        all-reduced only when ``sync``. Returns each sample's loss (CPU, detached)."""
         dev = self.dist.device
         with torch.no_grad():
             cond = self.text_encoder(input_ids.to(dev))[0].float()  # bf16 encoder on CUDA; no-op in fp32
-        gens = sample_generators(self.generator, latents.shape[0], self.dist.rank, self.dist.world)
+        gens = part_generators(seeds)
         cond = cfg_dropout(cond, self.uncond, self.phase.cfg_dropout, gens)
         no_sync = self.model.no_sync() if (self.dist.world > 1 and not sync) else contextlib.nullcontext()
         bf16 = uses_bf16_autocast(dev, self.cfg.mixed_precision)
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
         with no_sync:  # one context (DDP's no_sync() is single-use) around forward and backward
             with autocast:
-                loss = phase_loss(self.phase, self.objective, self.model, self.scheduler, latents.to(dev), cond, gens)
+                per_sample = phase_loss(
+                    self.phase, self.objective, self.model, self.scheduler, latents.to(dev), cond, gens
+                )
+                loss = per_sample.mean()
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"train@{self.phase_name}: non-finite loss {loss.item()} at step {self.progress.step}; "
                     "stopping (the last good checkpoint is kept). Lower the LR or check the latents."
                 )
             (loss * scale).backward()
-        return float(loss.detach())
+        return per_sample.detach().float().cpu()
 
     def optimizer_step(self) -> float:
         """Clip, step, schedule, EMA (every ``ema_update_every`` steps); return the gradient norm."""
@@ -220,8 +265,8 @@ class Trainer:
 
 
 def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Tensor, cond: torch.Tensor, gens):
-    """One micro-batch's loss under the phase's objective and options (timestep sampling, noise offset, input
-    perturbation, flow shift, Min-SNR-γ): :func:`model.diffusion.denoising_loss` or
+    """One micro-batch's per-sample losses under the phase's objective and options (timestep sampling, noise
+    offset, input perturbation, flow shift, Min-SNR-γ): :func:`model.diffusion.denoising_loss` or
     :func:`model.flow_matching.flow_matching_loss`."""
     logit_normal = tuple(phase.logit_normal) if phase.timestep_sampling == "logit_normal" else None
     if objective == "flow_matching":
@@ -235,6 +280,7 @@ def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Te
             shift=phase.flow_shift,
             noise_offset=phase.noise_offset,
             input_perturbation=phase.input_perturbation,
+            reduce=False,
         )
     return denoising_loss(
         model,
@@ -246,6 +292,7 @@ def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Te
         phase.noise_offset,
         logit_normal,
         phase.input_perturbation,
+        reduce=False,
     )
 
 
@@ -364,41 +411,55 @@ LOSS_TAIL = 20
 """Step losses kept in each checkpoint (mean over ranks) so a resumed run reports the same ``final_loss``."""
 
 
-def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
+def train_loop(tr: Trainer, run_dir: Path, on_step=None, notice: PreemptionNotice | None = None, watchdog=None):
     """Run the remaining epochs; checkpoint every ``save_steps`` and at each epoch end; return step losses
     (after a resume: the checkpoint's last :data:`LOSS_TAIL` losses, then this run's).
 
+    Each optimizer step trains one global batch of the epoch's plan: ``split.accum`` micro-batches of this
+    rank's part, every sample's randomness from the step's seeds (:func:`step_seeds`). After the step one
+    all-reduce (:func:`sdforge.training.preemption.agree`) sums the per-source losses and settles whether
+    a SIGTERM stops the run here; if so a checkpoint is written when it fits in ``train.preempt_grace_s``
+    and :class:`Preempted` is raised. ``watchdog`` (:class:`sdforge.training.watchdog.Watchdog`) is told of
+    every step and of every long operation.
+
     ``on_step(step, stats)`` is called after each optimizer step with ``loss``, ``lr``, ``grad_norm``,
     ``step_time_s`` (first batch wait to optimizer step done; checkpoint writes excluded),
-    ``data_wait_s`` (of that, the time spent waiting for the loader) and ``samples`` (this rank's).
+    ``data_wait_s`` (of that, the time spent waiting for the loader), ``samples`` (this rank's) and
+    ``sources`` (per source name: ``[loss sum, samples]`` over every rank).
     """
-    phase, cfg, p = tr.phase, tr.cfg, tr.progress
+    phase, cfg, p, split, rank = tr.phase, tr.cfg, tr.progress, tr.split, tr.dist.rank
     losses: list[float] = list(tr.loss_history)
-    saver = _Checkpointer(tr, run_dir, mark=len(losses))
-    accum = phase.grad_accum
+    saver = _Checkpointer(tr, run_dir, mark=len(losses), watchdog=watchdog)
+    n_sources = len(tr.data.sources)
     while p.epoch < phase.epochs:
-        group_loss, in_group = 0.0, 0
-        t_ready = group_t0 = time.perf_counter()
-        data_wait, group_samples = 0.0, 0
-        batches = tr.epoch_batches(p.epoch)
-        for b, latents, ids in iter_batches(tr.data, batches, start_batch=p.batch):
-            if in_group == 0:
-                group_t0, data_wait, group_samples = t_ready, 0.0, 0
+        t_ready = time.perf_counter()
+        micro_batches = tr.epoch_batches(p.epoch)
+        steps_in_epoch = len(micro_batches) // split.accum
+        for b, latents, ids in iter_batches(tr.data, micro_batches, start_batch=p.batch * split.accum):
+            k = b % split.accum
+            if k == 0:
+                group_t0, data_wait, step_losses, step_positions = t_ready, 0.0, [], []
+                seeds = step_seeds(tr.generator, split.global_batch)
             data_wait += time.perf_counter() - t_ready
-            group_samples += latents.shape[0]
-            group_start = (b // accum) * accum
-            group_size = min(accum, len(batches) - group_start)
-            last_in_group = b == group_start + group_size - 1
-            group_loss += tr.micro_step(latents, ids, 1.0 / group_size, sync=last_in_group)
-            in_group += 1
-            if not last_in_group:
+            last = k == split.accum - 1
+            sample_losses = tr.micro_step(latents, ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last)
+            tr.ledger.record(p.step + 1, p.epoch, k, micro_batches[b], sample_losses.numpy())
+            step_losses.append(sample_losses)
+            step_positions.append(micro_batches[b])
+            if not last:
                 t_ready = time.perf_counter()
                 continue
             grad_norm = tr.optimizer_step()
-            loss = group_loss / in_group
+            p.batch = b // split.accum + 1
+            per_sample = torch.cat(step_losses)
+            loss = float(per_sample.mean())
             losses.append(loss)
-            group_loss, in_group = 0.0, 0
-            p.batch = b + 1
+            codes = torch.from_numpy(tr.data.source_code[np.concatenate(step_positions)])
+            agreed = agree(tr.dist, per_sample, codes, n_sources, notice, saver.write_estimate(), cfg.preempt_grace_s)
+            if watchdog:
+                watchdog.beat(p.step)
+                if cfg.validation_every and p.step % cfg.validation_every == 0:
+                    watchdog.long_operation()  # the main rank samples images; the others wait in the next step
             if on_step:
                 stats = {
                     "loss": loss,
@@ -406,12 +467,24 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
                     "grad_norm": grad_norm,
                     "step_time_s": time.perf_counter() - group_t0,
                     "data_wait_s": data_wait,
-                    "samples": group_samples,
+                    "samples": int(per_sample.numel()),
+                    "sources": {
+                        name: [agreed.source_loss_sum[i], agreed.source_count[i]]
+                        for i, name in enumerate(tr.data.sources)
+                        if agreed.source_count[i]
+                    },
                 }
                 on_step(p.step, stats)
-            if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < len(batches):
+                if watchdog:
+                    watchdog.step_resumes()  # validation on the main rank may have taken long
+            if agreed.stop:
+                path = saver.save(losses) if agreed.save else None
+                saver.close()
+                raise Preempted(p.step, path, agreed.elapsed_s)
+            if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < steps_in_epoch:
                 saver.save(losses)
             _kill_point(p.step)
+            _hang_point(p.step, rank)
             t_ready = time.perf_counter()
         p.epoch, p.batch = p.epoch + 1, 0
         saver.save(losses)
@@ -420,34 +493,77 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None) -> list[float]:
 
 
 def _kill_point(step: int) -> None:
-    """Fault injection for resume tests: ``SDFORGE_KILL_AT_STEP=N`` SIGKILLs this process after step N."""
+    """Fault injection for resume tests: ``SDFORGE_KILL_AT_STEP=N`` SIGKILLs this process after step N;
+    ``SDFORGE_TERM_AT_STEP=N`` sends it SIGTERM (a preemption notice) after step N."""
     if os.environ.get("SDFORGE_KILL_AT_STEP") == str(step):
         log.warning("SDFORGE_KILL_AT_STEP=%d: killing this process (fault injection)", step)
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("SDFORGE_TERM_AT_STEP") == str(step):
+        log.warning("SDFORGE_TERM_AT_STEP=%d: SIGTERM to this process (fault injection)", step)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _hang_point(step: int, rank: int) -> None:
+    """Fault injection for the hang watchdog: ``SDFORGE_HANG_AT_STEP=N`` (with ``SDFORGE_HANG_RANK=r``: on
+    rank r only) stops this rank after step N for ever, as a stuck data read or a dead peer would."""
+    if os.environ.get("SDFORGE_HANG_AT_STEP") != str(step):
+        return
+    if os.environ.get("SDFORGE_HANG_RANK", str(rank)) != str(rank):
+        return
+    log.warning("SDFORGE_HANG_AT_STEP=%d: rank %d hangs here (fault injection)", step, rank)
+    while True:
+        time.sleep(1)
+
+
+FIRST_WRITE_BYTES_PER_S = 100e6
+"""Before a run has written a checkpoint, a write is estimated at this rate over its state's bytes (a slow
+disk with the sha256 manifest: bench/README.md, checkpoint_write); afterwards from the measured writes."""
 
 
 class _Checkpointer:
     """The checkpoints of one :func:`train_loop`.
 
-    Each save gathers every rank's RNG state to rank 0, which writes the checkpoint (with the mean
-    loss since the previous one, over all ranks, for ``keep_best``), prunes, and — with
-    ``train.checkpoint_s3`` — queues its upload; :meth:`close` waits for pending uploads.
+    Each save gathers every rank's RNG state and ledger records to rank 0, which writes the ledger segment,
+    then the checkpoint (with the mean loss since the previous one, over all ranks, for ``keep_best``),
+    prunes, and — with ``train.checkpoint_s3`` — queues their upload; :meth:`close` waits for pending
+    uploads. Every save is timed: :meth:`write_estimate` is what the preemption grace is judged by.
     """
 
-    def __init__(self, tr: Trainer, run_dir: Path, mark: int = 0):
-        self.tr, self.run_dir, self.mark = tr, run_dir, mark
+    def __init__(self, tr: Trainer, run_dir: Path, mark: int = 0, watchdog=None):
+        self.tr, self.run_dir, self.mark, self.watchdog = tr, run_dir, mark, watchdog
         cfg = tr.cfg
         self.retention = Retention(cfg.keep_last, cfg.keep_every, cfg.keep_best)
         self.uploader = None
+        self.last_save_s: float | None = None
         if cfg.checkpoint_s3 and tr.dist.is_main:
             remote = RemoteRun(run_url(cfg.checkpoint_s3, run_dir))
             self.uploader = BackgroundUploader(remote, run_dir, self.retention)
 
-    def save(self, losses: list[float]) -> None:
+    def write_estimate(self) -> float:
+        """Seconds a checkpoint write is expected to take: the slowest measured one (+25 %), else by size."""
+        if self.last_save_s is not None:
+            return 1.25 * self.last_save_s
+        weights = sum(p.numel() * p.element_size() for p in self.tr.trainable)
+        return 4 * weights / FIRST_WRITE_BYTES_PER_S  # live + EMA + AdamW's two moments
+
+    def save(self, losses: list[float]) -> Path | None:
+        """Write a checkpoint at the current step (every rank takes part); its path on rank 0."""
+        t0 = time.perf_counter()
+        if self.watchdog:
+            self.watchdog.long_operation()
+        path = self._save(losses)
+        elapsed = time.perf_counter() - t0
+        self.last_save_s = max(elapsed, self.last_save_s or 0.0)
+        if self.watchdog:
+            self.watchdog.step_resumes()
+        return path
+
+    def _save(self, losses: list[float]) -> Path | None:
         tr, dist = self.tr, self.tr.dist
         recent, self.mark = losses[self.mark :], len(losses)
         loss = sum(recent) / len(recent) if recent else None
         rng = [capture_rng(tr.generator, dist.device)]
+        records = [tr.ledger.take()]
         tail = losses[-LOSS_TAIL:]
         if dist.world > 1:
             total = torch.tensor([sum(recent), len(recent)], dtype=torch.float64, device=dist.device)
@@ -457,20 +573,42 @@ class _Checkpointer:
             torch.distributed.all_reduce(tail_t)
             tail = (tail_t / dist.world).tolist()
             gathered = [None] * dist.world if dist.is_main else None
-            torch.distributed.gather_object(rng[0], gathered, dst=0)
-            rng = gathered
+            torch.distributed.gather_object((rng[0], records[0]), gathered, dst=0)
+            if dist.is_main:
+                rng, records = [g[0] for g in gathered], [g[1] for g in gathered]
+        path = None
         if dist.is_main:
+            self._write_ledger(records)
             config = tr.params.model_dump(mode="json")
             state = {**tr.state(), "recent_losses": tail}
             path = save_checkpoint(
                 self.run_dir, tr.progress, tr.write_live_weights, state, self.retention, rng=rng, loss=loss,
-                config=config,
+                config=config, ledger=tr.ledger_segments,
             )
             if self.uploader:
-                self.uploader.submit(path)
+                self.uploader.submit(path, [self.run_dir / LEDGER_DIR / e["name"] for e in tr.ledger_segments])
         if dist.world > 1:
             torch.distributed.barrier()
+        return path
+
+    def _write_ledger(self, records: list[dict]) -> None:
+        """Rank 0: the records since the previous checkpoint as a segment, appended to the run's list."""
+        tr = self.tr
+        first = tr.ledger_segments[-1]["name"] if tr.ledger_segments else None
+        start = int(first.split("-")[1].split(".")[0]) + 1 if first else 1
+        if start > tr.progress.step:  # nothing trained since (e.g. an epoch end right after a save)
+            return
+        entry = write_segment(self.run_dir, records, tr.data, start, tr.progress.step)
+        tr.ledger_segments = [*tr.ledger_segments, entry]
 
     def close(self) -> None:
         if self.uploader:
             self.uploader.close()
+            self.uploader = None
+
+
+def start_ledger(tr: Trainer, run_dir: Path) -> None:
+    """Main rank, after the restore: keep only the ledger segments of the checkpoint resumed from (none on a
+    fresh start): the records of steps lost with a killed process go."""
+    if tr.dist.is_main:
+        keep_only(run_dir, tr.ledger_segments)

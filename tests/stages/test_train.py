@@ -18,7 +18,7 @@ from tests.fixtures.training import TRAIN_UNET, build_workspace, train, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
 # A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
-RESUME_FROM = {3: (2, "epoch 0, batch 4"), 4: (4, "epoch 1, batch 2"), 5: (4, "epoch 1, batch 2")}
+RESUME_FROM = {3: (2, "epoch 0, step 2 of it"), 4: (4, "epoch 1, step 1 of it"), 5: (4, "epoch 1, step 1 of it")}
 KILL_SEED = int(os.environ.get("SDFORGE_KILL_SEED", random.SystemRandom().randrange(2**31)))
 KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
 
@@ -59,7 +59,7 @@ def test_sigkill_then_resume_is_bit_identical(runs):
         assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume"
     m_straight = json.loads((straight / "metrics/train/phase1.json").read_text())
     m_killed = json.loads((killed / "metrics/train/phase1.json").read_text())
-    assert m_straight["steps"] == m_killed["steps"] == 6  # 40 samples / batch 8 = 5 batches; accum 2 → 3 × 2 epochs
+    assert m_straight["steps"] == m_killed["steps"] == 6  # 48 samples / (batch 8 × accum 2) = 3 steps × 2 epochs
     assert m_killed["resumed_at_step"] == resume_step, why
     assert m_straight["final_loss"] is not None and np.isfinite(m_straight["final_loss"])
     # the loss tail travels in the checkpoint: a resumed run reports the uninterrupted run's final_loss

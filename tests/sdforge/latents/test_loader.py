@@ -7,14 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from sdforge.io import InputError
-from sdforge.latents.loader import (
-    LatentIndexDataset,
-    batches_per_epoch,
-    epochs_summary,
-    iter_batches,
-    rank_batches,
-    rank_order,
-)
+from sdforge.latents.bucket_batches import BatchSplit
+from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
 from sdforge.latents.store import shard_path, write_shard
 
 ROWS = 10  # per shard
@@ -104,29 +98,19 @@ def test_empty_index_is_an_error(store):
         LatentIndexDataset(store / "idx.parquet", store, RES)
 
 
-def test_rank_orders_are_disjoint_and_equal_length():
-    orders = [rank_order(103, epoch=2, seed=7, rank=r, world=4) for r in range(4)]
-    assert all(len(o) == 25 for o in orders)
-    flat = [int(i) for o in orders for i in o]
-    assert len(set(flat)) == 100
-    assert (rank_order(103, 2, 7, 0, 4) == orders[0]).all()
-    assert not (rank_order(103, 3, 7, 0, 4) == orders[0]).all()
-
-
 def test_ranks_get_disjoint_equal_batches_covering_the_epoch(store):
     data = LatentIndexDataset(store / "idx.parquet", store, RES)
-    world, batch = 3, 4  # 41 samples → 39 usable, 13 per rank → 4 batches (last one partial)
+    world, batch = 3, 4  # 41 samples → 3 global batches of 12 (5 left out), 3 batches of 4 per rank
     seen = []
     for rank in range(world):
         spy = _Spy(data)
-        batches = list(iter_batches(spy, rank_batches(data.sample_bucket, 0, 5, rank, world, batch)))
-        assert [b for b, _, _ in batches] == [0, 1, 2, 3] and [len(lat) for _, lat, _ in batches] == [4, 4, 4, 1]
+        batches = list(iter_batches(spy, rank_batches(data.sample_bucket, 0, 5, rank, BatchSplit(batch, 1, world))))
+        assert [b for b, _, _ in batches] == [0, 1, 2] and [len(lat) for _, lat, _ in batches] == [4, 4, 4]
         positions = np.concatenate(spy.gathered)
         assert torch.equal(torch.cat([lat for _, lat, _ in batches]), _expected(store, positions)[0])
         seen.append(positions)
     flat = np.concatenate(seen)
-    assert len(flat) == len(set(flat.tolist())) == 39
-    assert set(flat.tolist()) == set(np.random.default_rng([5, 0]).permutation(41)[:39].tolist())
+    assert len(flat) == len(set(flat.tolist())) == 36
 
 
 class _Spy:
@@ -146,17 +130,18 @@ class _Spy:
         self.data.prefetch(positions)
 
 
-@pytest.mark.parametrize(("rank", "start"), [(0, 3), (1, 1), (1, 5), (0, 6)])
+@pytest.mark.parametrize(("rank", "start"), [(0, 3), (1, 1), (1, 5), (0, 5)])
 def test_resume_at_batch_k_yields_exactly_the_rest_of_the_epoch(store, rank, start):
     data = LatentIndexDataset(store / "idx.parquet", store, RES)
-    full = list(iter_batches(data, rank_batches(data.sample_bucket, 1, 0, rank, 2, 3)))
-    assert len(full) == batches_per_epoch(41, 2, 3) == 7
+    batches = rank_batches(data.sample_bucket, 1, 0, rank, BatchSplit(3, 1, 2))
+    full = list(iter_batches(data, batches))
+    assert len(full) == 41 // 6 == 6
     spy = _Spy(data)
-    resumed = list(iter_batches(spy, rank_batches(data.sample_bucket, 1, 0, rank, 2, 3), start_batch=start))
-    assert [b for b, _, _ in resumed] == list(range(start, 7))
+    resumed = list(iter_batches(spy, batches, start_batch=start))
+    assert [b for b, _, _ in resumed] == list(range(start, 6))
     for (b1, l1, i1), (b2, l2, i2) in zip(full[start:], resumed, strict=True):
         assert b1 == b2 and torch.equal(l1, l2) and torch.equal(i1, i2)
-    skipped = set(rank_order(41, 1, 0, rank, 2)[: start * 3].tolist())
+    skipped = set(np.concatenate(batches[:start]).tolist())
     assert not skipped & set(np.concatenate(spy.gathered).tolist())  # skipped batches were never read
 
 
@@ -184,7 +169,7 @@ def bucket_store(tmp_path):
 
 
 def _epoch(data, epoch, rank, world, batch, tail="drop", start=0):
-    batches = rank_batches(data.sample_bucket, epoch, 11, rank, world, batch, tail)
+    batches = rank_batches(data.sample_bucket, epoch, 11, rank, BatchSplit(batch, 1, world), tail)
     return batches, list(iter_batches(data, batches, start_batch=start))
 
 
@@ -208,7 +193,7 @@ def test_bucketed_resume_at_batch_k_is_exactly_the_rest(bucket_store, rank, star
     data = LatentIndexDataset(bucket_store / "idx.parquet", bucket_store, "mix")
     _, full = _epoch(data, 2, rank, 2, 3, tail)
     spy = _Spy(data)
-    batches = rank_batches(data.sample_bucket, 2, 11, rank, 2, 3, tail)
+    batches = rank_batches(data.sample_bucket, 2, 11, rank, BatchSplit(3, 1, 2), tail)
     resumed = list(iter_batches(spy, batches, start_batch=start))
     assert [b for b, _, _ in resumed] == list(range(start, len(full)))
     for (b1, l1, i1), (b2, l2, i2) in zip(full[start:], resumed, strict=True):
@@ -219,7 +204,7 @@ def test_bucketed_resume_at_batch_k_is_exactly_the_rest(bucket_store, rank, star
 
 def test_epochs_summary_counts_trained_and_left_out_per_bucket(bucket_store):
     data = LatentIndexDataset(bucket_store / "idx.parquet", bucket_store, "mix")
-    lengths, counts = epochs_summary(data, 3, 11, world=2, batch_size=3, tail="drop")
+    lengths, counts = epochs_summary(data, 3, 11, global_batch=6, tail="drop")
     # buckets 2x6 / 4x4 / 6x2 hold 36 / 28 / 32 samples (7+b rows per shard, b = the BUCKETS position)
     assert lengths == [15, 15, 15]
     assert counts == {
@@ -230,7 +215,7 @@ def test_epochs_summary_counts_trained_and_left_out_per_bucket(bucket_store):
         "bucket.6x2.samples": 30 * 3,
         "bucket.6x2.left_out": 2 * 3,
     }
-    lengths, counts = epochs_summary(data, 3, 11, world=2, batch_size=3, tail="carry")
+    lengths, counts = epochs_summary(data, 3, 11, global_batch=6, tail="carry")
     assert sum(counts[k] for k in counts if k.endswith(".samples")) == 6 * sum(lengths)
     assert lengths[0] == 15 and max(lengths) >= 15
 

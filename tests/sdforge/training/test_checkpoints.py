@@ -93,8 +93,13 @@ def test_layout_manifest_and_per_rankrank_rng(tmp_path):
     r0, r1 = load_state(ckpt, rank=0, world=2), load_state(ckpt, rank=1, world=2)
     assert torch.equal(r0["rng"]["generator"], rank_rng(0)["generator"])
     assert torch.equal(r1["rng"]["generator"], rank_rng(1)["generator"])
-    with pytest.raises(CheckpointError, match="written by 2 rank"):
-        load_state(ckpt, rank=0, world=1)
+    # another world size (elastic resume): every rank continues rank 0's shared generator, told the old world
+    for rank in range(3):
+        other = load_state(ckpt, rank=rank, world=3)
+        assert other["world"] == 2 and torch.equal(other["rng"]["generator"], rank_rng(0)["generator"])
+    (ckpt / "rng-rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match="rng-rank1.pt"):
+        load_state(ckpt, rank=1, world=2, verify=False)
 
 
 def test_rng_roundtrip_python_numpy_torch_generator(tmp_path):
@@ -139,7 +144,7 @@ DAMAGE = {
     ),
     "missing rank file": (lambda c: (c / "rng-rank1.pt").unlink(), "rng-rank1.pt is missing"),
     "tampered rank file": (lambda c: _flip_byte(c / "rng-rank0.pt"), "rng-rank0.pt does not match"),
-    "garbage manifest": (lambda c: (c / "COMPLETE").write_text("2\n"), "not a format-2 manifest"),
+    "garbage manifest": (lambda c: (c / "COMPLETE").write_text("2\n"), "not a format-3 manifest"),
 }
 
 

@@ -1,10 +1,10 @@
 """train stage under torchrun (2 CPU processes, gloo): it runs through the stage CLI, and DDP with batch B per
 rank trains like one process with batch 2B.
 
-Why the two runs can agree: the loader gives rank r the slice ``perm[r::2]`` of the epoch's permutation, so
-batch b of the two ranks together is batch b of one process with twice the batch; every sample's noise,
-timestep and CFG drop come from its own stream, seeded by its row of the global micro-batch
-(:func:`sdforge.training.distributed.sample_generators`); the loss is a per-sample mean (Min-SNR weights are per
+Why the two runs can agree: each step trains one global batch of the epoch's plan and rank r takes its part
+``[r·B, (r+1)·B)`` of it, so the two ranks together train the batch of one process with twice the batch; every
+sample's noise, timestep and CFG drop come from its own stream, seeded by its position in the global batch
+(:func:`sdforge.training.distributed.step_seeds`); the loss is a per-sample mean (Min-SNR weights are per
 sample) and DDP averages the ranks' gradients, so the gradient is the mean over the 2B samples. What is left
 is float32 summation order (in the UNet's batched ops and the all-reduce), amplified a little by Adam.
 """
@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from sdforge.latents.loader import rank_order
-from sdforge.training.distributed import sample_generators
+from sdforge.latents.bucket_batches import BatchSplit, plan_epoch
+from sdforge.training.distributed import part_generators, step_seeds
 from tests.fixtures.training import build_workspace, train, weights
 
 MAX_ABS_DIFF = 1e-5
@@ -55,21 +55,26 @@ def one_process(tmp_path_factory):
     return _trained(tmp_path_factory, "ddp1", nproc=1, batch_size=8)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_rank_rows_are_the_one_process_rows(world):
-    """Rank r's row j holds the sample (and the random streams) of row j·world + r of one process's batch."""
-    n, batch, seed = 40, 3, 7
-    whole = rank_order(n, 0, seed, 0, 1)
-    one = sample_generators(torch.Generator().manual_seed(seed), world * batch, 0, 1)
-    one_draws = [torch.randn(5, generator=g) for g in one]
+@pytest.mark.parametrize(("world", "accum"), [(2, 1), (4, 1), (2, 3)])
+def test_a_sample_gets_the_same_rows_and_streams_on_any_world_size(world, accum):
+    """A step's global batch (plan order) and its seeds are the same for every split; rank r's micro-step k takes
+    the positions (and seeds) ``part(k, r)`` of both — what one process with the whole batch has there."""
+    global_batch, seed = 24, 7
+    plan = plan_epoch(np.zeros(100, np.int32), 0, seed, global_batch)
+    one = BatchSplit(global_batch, 1, 1)
+    whole_seeds = step_seeds(torch.Generator().manual_seed(seed), global_batch)
+    split = BatchSplit(global_batch // (world * accum), accum, world)
     shared_after = []
     for rank in range(world):
-        order = rank_order(n, 0, seed, rank, world)
         shared = torch.Generator().manual_seed(seed)
-        gens = sample_generators(shared, batch, rank, world)
-        for j in range(batch):
-            assert order[j] == whole[j * world + rank]
-            assert torch.equal(torch.randn(5, generator=gens[j]), one_draws[j * world + rank])
+        seeds = step_seeds(shared, split.global_batch)
+        mine = plan.micro_batches(rank, split)[:accum]  # step 0
+        for k in range(accum):
+            part = split.part(k, rank)
+            assert (mine[k] == plan.micro_batches(0, one)[0][part]).all()
+            got = [torch.randn(5, generator=g) for g in part_generators(seeds[part])]
+            want = [torch.randn(5, generator=g) for g in part_generators(whole_seeds[part])]
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         shared_after.append(shared.get_state())
     assert all(torch.equal(s, shared_after[0]) for s in shared_after)  # the shared stream stays in step
 
@@ -78,10 +83,10 @@ def test_two_process_run_through_the_stage_cli(two_ranks):
     """The real launch path: ~25 s idle (torchrun + 2 ranks on 2 cores), ~85 s on a busy machine."""
     two, done = two_ranks
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 --standalone" in done.stderr
+    assert "torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 --shutdown_timeout 35 --standalone" in done.stderr
     metrics = json.loads((two / "metrics/train/phase1.json").read_text())
     assert metrics["world_size"] == 2
-    assert metrics["steps"] == 6  # 20 samples per rank / batch 4 = 5 batches; accum 2 → 3 × 2 epochs
+    assert metrics["steps"] == 6  # 48 samples / (2 ranks × batch 4 × accum 2) = 3 steps × 2 epochs
     assert np.isfinite(metrics["final_loss"])
     from sdforge.config import load_params
     from sdforge.training.trainer import load_init_unet

@@ -30,6 +30,7 @@ def test_one_node_two_processes_is_standalone():
     assert cmd == [
         sys.executable,
         *("-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0"),
+        *("--shutdown_timeout", "35"),  # train.preempt_grace_s 25 + 10: torchrun waits for a preemption checkpoint
         "--standalone",
         *("-m", "stages.train", *ARGV),
     ]
@@ -40,6 +41,7 @@ def test_two_nodes_rendezvous_at_the_endpoint():
     cmd = torchrun_command(cfg, ARGV)
     assert cmd[1:] == [
         *("-m", "torch.distributed.run", "--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1"),
+        *("--shutdown_timeout", "35"),
         *("--rdzv_backend", "c10d", "--rdzv_endpoint", "node0.cluster:29400"),
         *("-m", "stages.train", *ARGV),
     ]

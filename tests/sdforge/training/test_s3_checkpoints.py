@@ -164,7 +164,7 @@ def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch)
     monkeypatch.delenv("SDFORGE_CHECKPOINT_UPLOAD")  # background uploads: the run must wait for them at exit
     resumed = train(p_pod, "phase1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from s3://" in resumed.stderr and "at step 2 (epoch 0, batch 4)" in resumed.stderr
+    assert "resuming from s3://" in resumed.stderr and "at step 2 (epoch 0, step 2 of it)" in resumed.stderr
     for sub in ("unet", "unet_ema"):
         a, b = weights(straight, "phase1", sub), weights(pod, "phase1", sub)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after S3 resume"
