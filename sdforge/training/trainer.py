@@ -440,6 +440,8 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None, notice: PreemptionNotic
             if k == 0:
                 group_t0, data_wait, step_losses, step_positions = t_ready, 0.0, [], []
                 seeds = step_seeds(tr.generator, split.global_batch)
+                if watchdog:
+                    watchdog.in_step(True)  # its collectives (DDP's gradient all-reduce, agree) wait for every rank
             data_wait += time.perf_counter() - t_ready
             last = k == split.accum - 1
             sample_losses = tr.micro_step(latents, ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last)

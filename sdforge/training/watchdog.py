@@ -88,6 +88,7 @@ class Watchdog:
         self.allowance = self.timeout() * LONG_OP_FACTOR  # startup: the first step may compile, load, ...
         self.interval = interval_s or min(5.0, max(0.2, self.timeout() / 10))
         self.tick = 0
+        self.waiting = 0  # 1 from a step's first micro-batch to its end: its collectives wait for every rank
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="sdforge-watchdog", daemon=True)
@@ -105,13 +106,20 @@ class Watchdog:
                 self.slowest = max(self.slowest, now - self.last_step_time)
             self.step, self.last_beat, self.last_step_time = step, now, now
             self.allowance = self.timeout()
+        self.waiting = 0
         self._arm_backstop()
+
+    def in_step(self, inside: bool) -> None:
+        """Mark starting a step (its collectives wait for every rank): a hang then names who never started it."""
+        self.waiting = int(inside)
+        self._publish()
 
     def long_operation(self) -> None:
         """A checkpoint write or a validation pass starts now: it may take ``LONG_OP_FACTOR`` timeouts."""
         with self._lock:
             self.last_beat = time.monotonic()
             self.allowance = self.timeout() * LONG_OP_FACTOR
+        self.in_step(True)  # a checkpoint's collectives wait for every rank too
         self._arm_backstop()
 
     def step_resumes(self) -> None:
@@ -144,16 +152,16 @@ class Watchdog:
         if self.store is None:
             return
         try:
-            self.store.set(f"sdforge/heartbeat/{self.dist.rank}", f"{self.step} {self.tick}")
+            self.store.set(f"sdforge/heartbeat/{self.dist.rank}", f"{self.step} {self.tick} {self.waiting}")
         except Exception:  # noqa: BLE001 - the store's host may be gone; _fire reports it
             pass
 
-    def _heartbeats(self) -> dict[int, tuple[int, int] | None]:
-        beats: dict[int, tuple[int, int] | None] = {}
+    def _heartbeats(self) -> dict[int, tuple[int, int, int] | None]:
+        beats: dict[int, tuple[int, int, int] | None] = {}
         for rank in range(self.dist.world):
             try:
-                step, tick = self.store.get(f"sdforge/heartbeat/{rank}").decode().split()
-                beats[rank] = (int(step), int(tick))
+                step, tick, waiting = self.store.get(f"sdforge/heartbeat/{rank}").decode().split()
+                beats[rank] = (int(step), int(tick), int(waiting))
             except Exception:  # noqa: BLE001 - missing key, store down
                 beats[rank] = None
         return beats
@@ -163,16 +171,28 @@ class Watchdog:
         if self.dist.world == 1 or self.store is None:
             return "one process: it is the one stuck"
         first = self._heartbeats()
-        time.sleep(self.interval * 2.5)
+        for _ in range(3):  # keep this rank's own heartbeat going while the others' are watched
+            time.sleep(self.interval)
+            self.tick += 1
+            self._publish()
         second = self._heartbeats()
-        silent = [r for r in first if first[r] is None or second[r] is None or second[r][1] == first[r][1]]
+        silent = [
+            r for r in first
+            if r != self.dist.rank and (first[r] is None or second[r] is None or second[r][1] == first[r][1])
+        ]
         steps = {r: b[0] for r, b in second.items() if b is not None}
         ahead = max(steps.values()) if steps else -1
         behind = [r for r, s in steps.items() if s < ahead]
-        parts = [f"rank {r} at step {s}" for r, s in sorted(steps.items())]
+        waiting = [r for r, b in second.items() if b is not None and b[2]]
+        if waiting and not behind:  # some are inside the next step, waiting in its collectives for the others
+            behind = [r for r in steps if r not in waiting and r not in silent]
+        parts = [f"rank {r} after step {s}{' (waiting)' if r in waiting else ''}" for r, s in sorted(steps.items())]
         verdict = []
         if behind:
-            verdict.append(f"lagging: rank(s) {', '.join(map(str, behind))} (behind step {ahead})")
+            verdict.append(
+                f"lagging: rank(s) {', '.join(map(str, behind))} (rank(s) {', '.join(map(str, waiting)) or '-'} "
+                f"wait for them after step {ahead})"
+            )
         if silent:
             verdict.append(f"silent (process dead or frozen): rank(s) {', '.join(map(str, silent))}")
         if not verdict:

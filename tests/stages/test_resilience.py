@@ -1,0 +1,222 @@
+"""Issue 22 through the train stage's CLI on the tiny workspace (48 samples, 16 per step, 3 steps per epoch × 2):
+a preemption checkpoint on SIGTERM, resume on another world size, the pre-step-0 rank check, the hang watchdog,
+and the sample ledger that proves each sample trained exactly once per epoch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+import yaml
+
+from sdforge.training.exits import HUNG, PREEMPTED
+from tests.fixtures.training import REPO, build_workspace, train, weights
+
+MAX_ABS_DIFF = 1e-5
+"""As tests/sdforge/training/test_ddp.py: after a world-size change only float32 summation order differs."""
+
+
+def _set(params: Path, **train_keys) -> None:
+    data = yaml.safe_load(params.read_text())
+    data["train"].update(train_keys)
+    params.write_text(yaml.safe_dump(data))
+
+
+def _metrics(root: Path) -> dict:
+    return json.loads((root / "metrics/train/phase1.json").read_text())
+
+
+def _assert_exactly_once(root: Path, steps: int = 6, global_batch: int = 16) -> None:
+    m = _metrics(root)
+    assert (m["ledger.duplicates"], m["ledger.missing"], m["ledger.unplanned"]) == (0, 0, 0), m
+    assert m["ledger.samples"] == steps * global_batch
+    ledger = pl.read_parquet(root / "checkpoints/phase1/ledger.parquet")
+    assert ledger.height == steps * global_batch
+    assert ledger.group_by("step").len()["len"].to_list() == [global_batch] * steps
+    for epoch in (0, 1):
+        positions = ledger.filter(pl.col("epoch") == epoch)["position"]
+        assert positions.n_unique() == positions.len() == 3 * global_batch
+    counts = dict(ledger.group_by("source").len().iter_rows())
+    assert {k: m[f"source.{k}.samples"] for k in counts} == counts  # the metrics' per-source counts are the ledger's
+    assert m["source.laion.share"] == 1.0 and m["source.laion.planned_share"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The phase trained uninterrupted by one process (the reference)."""
+    root = tmp_path_factory.mktemp("straight")
+    assert train(build_workspace(root), "phase1").returncode == 0
+    return root
+
+
+def _same_weights(a: Path, b: Path, tol: float = 0.0) -> float:
+    worst = 0.0
+    for sub in ("unet", "unet_ema"):
+        x, y = weights(a, "phase1", sub), weights(b, "phase1", sub)
+        worst = max(worst, max(float((x[k].double() - y[k].double()).abs().max()) for k in x))
+    assert worst <= tol, f"weights differ by {worst:.3g} > {tol}"
+    return worst
+
+
+def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identically(straight, tmp_path):
+    params = build_workspace(tmp_path)
+    stopped = train(params, "phase1", env={"SDFORGE_TERM_AT_STEP": "4"})  # SIGTERM arrives between steps 4 and 5
+    assert stopped.returncode == PREEMPTED, stopped.stderr[-3000:]
+    assert "preempted at step 5: checkpoint checkpoint-00000005" in stopped.stderr
+    assert (tmp_path / "runs/phase1/checkpoint-00000005/COMPLETE").is_file()
+    assert json.loads((tmp_path / "runs/phase1/PREEMPTED.json").read_text())["step"] == 5
+    resumed = train(params, "phase1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 5 (epoch 1, step 2 of it)" in resumed.stderr
+    _same_weights(straight, tmp_path)
+    _assert_exactly_once(tmp_path)
+
+
+def test_a_checkpoint_that_cannot_fit_the_grace_is_not_written(tmp_path):
+    params = build_workspace(tmp_path)
+    _set(params, preempt_grace_s=1e-6)
+    stopped = train(params, "phase1", env={"SDFORGE_TERM_AT_STEP": "1"})
+    assert stopped.returncode == PREEMPTED
+    assert "keeping the last good checkpoint" in stopped.stderr
+    assert "preempted at step 2: no new checkpoint" in stopped.stderr
+    assert not list((tmp_path / "runs/phase1").glob("checkpoint-*"))  # the first save was due at step 2
+
+
+def test_sigterm_to_exit_seconds(tmp_path):
+    """A real SIGTERM from outside: the stage exits with the preemption status; the seconds are printed
+    (measured, not asserted)."""
+    params = build_workspace(tmp_path)
+    env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.train", "--params", str(params), "--item", "phase1"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    steps = tmp_path / "runs/phase1/steps.jsonl"
+    deadline = time.monotonic() + 240
+    while (not steps.is_file() or not steps.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    print(f"SIGTERM to exit: {time.monotonic() - sent:.2f} s")
+    assert proc.returncode == PREEMPTED, err[-3000:]
+
+
+def _kill_then_resume(root: Path, first: int, then: int, kill_at: int, accum: int = 2):
+    """Global batch 16 on ``first`` ranks (batch 8 × ``accum`` // first per rank), killed, resumed on ``then``."""
+    params = build_workspace(root)
+    data = yaml.safe_load(params.read_text())
+    data["phases"]["phase1"].update(batch_size=16 // (first * accum), grad_accum=accum)
+    params.write_text(yaml.safe_dump(data))
+    _set(params, nproc_per_node=first)
+    died = train(params, "phase1", kill_at=kill_at)
+    assert died.returncode != 0
+    _set(params, nproc_per_node=then)
+    return train(params, "phase1")
+
+
+@pytest.mark.parametrize(("first", "then", "kill_at", "accum"), [(2, 1, 4, 2), (1, 2, 3, 4)])
+def test_resume_on_another_world_size_trains_every_sample_exactly_once(straight, tmp_path, first, then, kill_at, accum):
+    """2 → 1 and 1 → 2 ranks (gloo): the global batch (16) is kept, the ledger is exactly-once, and the weights
+    agree with the uninterrupted one-process run to the DDP tolerance (~30 s each with torchrun)."""
+    resumed = _kill_then_resume(tmp_path, first, then, kill_at, accum)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming a checkpoint of {first} rank(s) on {then}: global batch 16 kept" in resumed.stderr
+    _assert_exactly_once(tmp_path)
+    print(f"{first} → {then} ranks: max |Δ weight| vs straight = {_same_weights(straight, tmp_path, MAX_ABS_DIFF):.3g}")
+
+
+def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(tmp_path):
+    resumed = _kill_then_resume(tmp_path, 1, 3, kill_at=3)
+    assert resumed.returncode != 0  # every rank exits 2 with the message; torchrun reports 1
+    assert "global batch is 16 samples per optimizer step, which 3 ranks cannot share evenly" in resumed.stderr
+    assert "phases.phase1.batch_size" in resumed.stderr and "train.nproc_per_node" in resumed.stderr
+
+
+def test_a_rank_planning_other_batches_is_caught_before_step_0(tmp_path):
+    params = build_workspace(tmp_path)
+    _set(params, nproc_per_node=2)
+    done = train(params, "phase1", env={"SDFORGE_FAULT_EXTRA_BATCH_RANK": "1"})
+    assert done.returncode != 0
+    assert "ranks disagree before step 0" in done.stderr
+    assert "micro_batches_per_epoch differs on rank(s) 1 (rank 0: [2, 2]; rank 1: [3, 2])" in done.stderr
+    steps = tmp_path / "runs/phase1/steps.jsonl"
+    assert not steps.is_file() or not steps.read_text()  # no step was trained
+
+
+def test_a_stuck_rank_trips_the_watchdog_with_stacks_in_the_log(tmp_path):
+    params = build_workspace(tmp_path)
+    data = yaml.safe_load(params.read_text())
+    data["phases"]["phase1"]["batch_size"] = 4  # 2 ranks × 4 × accum 2: 3 steps per epoch, step 1 saves nothing
+    params.write_text(yaml.safe_dump(data))
+    _set(params, nproc_per_node=2, hang_timeout_s=4)
+    t0 = time.monotonic()
+    done = train(params, "phase1", env={"SDFORGE_HANG_AT_STEP": "1", "SDFORGE_HANG_RANK": "1"})
+    took = time.monotonic() - t0
+    assert done.returncode == HUNG, done.stderr[-4000:]
+    assert "hang watchdog (rank " in done.stderr and "no progress for" in done.stderr
+    assert "lagging: rank(s) 1 (rank(s) 0 wait for them after step 1)" in done.stderr
+    assert "Python stacks of every thread" in done.stderr and "in _hang_point" in done.stderr  # rank 1's own stack
+    assert json.loads((tmp_path / "runs/phase1/HUNG.json").read_text())["step"] == 1
+    print(f"watchdog: the stage failed {took:.0f} s after it started (timeout 4 s)")
+
+
+def test_the_split_prefers_the_configured_micro_batch():
+    from sdforge.latents.bucket_batches import BatchSplit
+    from sdforge.training.elastic import SplitError, choose_split
+
+    assert choose_split(256, 32, 8, "p") == BatchSplit(32, 1, 8)
+    assert choose_split(256, 32, 4, "p") == BatchSplit(32, 2, 4)  # fewer GPUs: more accumulation
+    assert choose_split(256, 32, 16, "p") == BatchSplit(16, 1, 16)  # more GPUs: smaller micro-batches
+    assert choose_split(48, 32, 1, "p") == BatchSplit(24, 2, 1)  # never more than batch_size per rank
+    with pytest.raises(SplitError, match=r"256 is not a multiple of 3.*\b1, 2, 4, 8, 16, 32, 64\b"):
+        choose_split(256, 32, 3, "p")
+
+
+def test_ranks_that_disagree_are_named_on_every_rank():
+    """The check itself on a real 2-process gloo group."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_disagreeing_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    results = sorted(queue.get() for _ in range(2))
+    want = "micro_batches_per_epoch differs on rank(s) 1 (rank 0: [5, 5]; rank 1: [5, 6])"
+    assert all(want in r[1] for r in results)
+    assert all("data" not in r[1].split("differs")[0] for r in results)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _disagreeing_rank(rank: int, port: int, queue) -> None:
+    from sdforge.training.distributed import Dist
+    from sdforge.training.watchdog import RankMismatch, check_ranks_agree
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        facts = {"micro_batches_per_epoch": [5, 5 + rank], "data": "x"}
+        check_ranks_agree(Dist(rank, 2, rank, torch.device("cpu")), facts)
+        queue.put((rank, "no error"))
+    except RankMismatch as err:
+        queue.put((rank, str(err)))
+    finally:
+        torch.distributed.destroy_process_group()
