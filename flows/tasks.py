@@ -22,7 +22,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.dvc_ops.runner import run_dvc_stage, stage_env
+from flows.dvc_ops.runner import StageFailed, run_dvc_stage, stage_env
 from flows.run_artifacts import (
     StageRow,
     artifact_key,
@@ -32,6 +32,7 @@ from flows.run_artifacts import (
     stage_run_url,
 )
 from sdforge.config import Tracking, load_params
+from sdforge.training.exits import RETRYABLE
 
 NETWORK_STAGE_PREFIXES = ("download_metadata", "fetch_images")
 """Stages that talk to the network: a failure there is often transient, so they are retried."""
@@ -104,10 +105,31 @@ def repro_stage(root: str, stage: str, timeout_s: float | None = None, force: bo
     return asdict(outcome)
 
 
+TRAIN_RETRIES = 3
+"""A train stage that stopped on a preemption notice or a hang (exit 75/76: sdforge.training.exits) is rerun:
+it resumes from its newest checkpoint. Other failures are not retried (a bug or bad input fails the same way)."""
+TRAIN_RETRY_DELAY_S = 10
+
+
+def _retryable_train_failure(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn``: the stage's command exited with a retryable status (DVC says "exited with N")."""
+    try:
+        state.result()
+    except StageFailed as err:
+        return any(f"exited with {status}" in str(err) for status in RETRYABLE)
+    except Exception:  # noqa: BLE001 - anything else is not a preemption
+        return False
+    return False
+
+
 def stage_task(stage: str):
     """``repro_stage`` with the retry policy for ``stage``."""
     if is_network_stage(stage):
         return repro_stage.with_options(retries=NETWORK_RETRIES, retry_delay_seconds=NETWORK_RETRY_DELAY_S)
+    if stage.split("@", 1)[0] == "train":
+        return repro_stage.with_options(
+            retries=TRAIN_RETRIES, retry_delay_seconds=TRAIN_RETRY_DELAY_S, retry_condition_fn=_retryable_train_failure
+        )
     return repro_stage
 
 

@@ -44,8 +44,34 @@ def test_network_stages_get_retries():
 
     assert stage_task("download_metadata@laion").retries == NETWORK_RETRIES
     assert stage_task("fetch_images@diffusiondb").retries == NETWORK_RETRIES
-    assert stage_task("train@phase1").retries == 0
+    assert stage_task("eval_grid@phase1").retries == 0
     assert stage_task("prepare_models").retries == 0
+
+
+def test_a_train_stage_is_retried_only_when_preempted_or_hung():
+    """Exit 75 (preempted) and 76 (hang watchdog) retry — the stage resumes from its checkpoint; a crash does not."""
+    from flows.dvc_ops.runner import StageFailed
+    from flows.tasks import TRAIN_RETRIES, _retryable_train_failure, stage_task
+
+    task = stage_task("train@phase7")
+    assert task.retries == TRAIN_RETRIES and task.retry_condition_fn is _retryable_train_failure
+
+    class Failed:
+        def __init__(self, err):
+            self.err = err
+
+        def result(self):
+            raise self.err
+
+    def dvc_failure(status: int) -> StageFailed:
+        line = f"ERROR: failed to reproduce 'train@phase7': failed to run: python -m stages.train, exited with {status}"
+        return StageFailed(f"dvc repro --single-item train@phase7 exited 1; last output:\n{line}")
+
+    assert _retryable_train_failure(task, None, Failed(dvc_failure(75)))
+    assert _retryable_train_failure(task, None, Failed(dvc_failure(76)))
+    assert not _retryable_train_failure(task, None, Failed(dvc_failure(1)))
+    assert not _retryable_train_failure(task, None, Failed(dvc_failure(2)))
+    assert not _retryable_train_failure(task, None, Failed(RuntimeError("exited with 75")))
 
 
 def test_deployment_runs_through_the_worker_in_the_deploying_project(prefect_stack):
