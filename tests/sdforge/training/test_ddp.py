@@ -83,7 +83,8 @@ def test_two_process_run_through_the_stage_cli(two_ranks):
     """The real launch path: ~25 s idle (torchrun + 2 ranks on 2 cores), ~85 s on a busy machine."""
     two, done = two_ranks
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 --shutdown_timeout 35 --standalone" in done.stderr
+    launched = "torch.distributed.run --nproc_per_node 2 --nnodes 1 --node_rank 0 --shutdown_timeout 35 --standalone"
+    assert launched in done.stderr
     metrics = json.loads((two / "metrics/train/phase1.json").read_text())
     assert metrics["world_size"] == 2
     assert metrics["steps"] == 6  # 48 samples / (2 ranks × batch 4 × accum 2) = 3 steps × 2 epochs
