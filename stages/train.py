@@ -15,7 +15,6 @@ LoRA files; docs/ADAPTERS.md); ``${paths.metrics}/train_loss/<phase>.csv``: the 
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -27,16 +26,15 @@ import torch
 from sdforge.config import ConfigError, Params, Train, load_params
 from sdforge.io import InputError, loss_curve_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
-from sdforge.training.exits import PREEMPTED, clear_markers, read_marker, write_marker
+from sdforge.training.exits import PREEMPTED, read_marker, write_marker
 from sdforge.training.launch import launch, needs_launch, torchrun_command
-from sdforge.training.ledger import audit, read_ledger, source_summary
-from sdforge.training.phase_run import NOT_TRAINING, export_phase, fingerprint, prepare_run_dir, tail_mean
+from sdforge.training.phase_run import export_phase, leave_process_group, open_run_dir, tail_mean
 from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.resume import restore_newest
+from sdforge.training.run_checks import ledger_metrics, rank_facts
 from sdforge.training.step_log import StepLogger, write_loss_curve
 from sdforge.training.trainer import Trainer, start_ledger, train_loop
 from sdforge.training.watchdog import Watchdog, check_ranks_agree
-from sdforge.training.watchdog import fingerprint as watchdog_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +57,10 @@ def run(params: Params, phase_name: str) -> dict:
 def _train(params: Params, phase_name: str, notice: PreemptionNotice) -> dict:
     dist = init_distributed()
     tr = Trainer(params, phase_name, dist)
-    paths = params.paths
-    run_dir = Path(paths.runs) / phase_name
-    fp = fingerprint(
-        Path(paths.mixes) / f"{phase_name}.parquet",
-        Path(paths.checkpoints) / tr.phase.init_from,
-        extra={"phase": tr.phase.model_dump(), "train": params.train.model_dump(exclude=NOT_TRAINING)},
-    )
-    prepare_run_dir(run_dir, fp, dist.is_main)
-    if dist.is_main:
-        clear_markers(run_dir)
+    run_dir, fp = open_run_dir(params, tr)
     restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
     start_ledger(tr, run_dir)
-    check_ranks_agree(dist, _rank_facts(params, tr, fp))
+    check_ranks_agree(dist, rank_facts(params, tr, fp))
     resumed_at = tr.progress.step
     start = time.perf_counter()
     logger = StepLogger(params, phase_name, tr, run_dir) if dist.is_main else None
@@ -82,54 +71,15 @@ def _train(params: Params, phase_name: str, notice: PreemptionNotice) -> dict:
         metrics = _finish(params, phase_name, tr, losses, resumed_at, time.perf_counter() - start, logger)
     except Preempted as stop:
         if dist.is_main:
-            info = {"step": stop.step, "checkpoint": str(stop.checkpoint) if stop.checkpoint else None}
-            write_marker(run_dir, PREEMPTED, {**info, "after_sigterm_s": round(stop.elapsed_s, 2)})
-        if dist.world > 1:
-            _leave_process_group(tr)
+            write_marker(run_dir, PREEMPTED, stop.record())
+        leave_process_group(tr)
         raise
     finally:
         watchdog.close()
         if logger:
             logger.close()
-    if dist.world > 1:
-        _leave_process_group(tr)
+    leave_process_group(tr)
     return metrics
-
-
-def _rank_facts(params: Params, tr: Trainer, fp: str) -> dict:
-    """What every rank must agree on before step 0 (:func:`sdforge.training.watchdog.check_ranks_agree`)."""
-    per_epoch = [len(plan.micro_batches(tr.dist.rank, tr.split)) for plan in _plans(tr)]
-    if os.environ.get("SDFORGE_FAULT_EXTRA_BATCH_RANK") == str(tr.dist.rank):  # fault injection (tests)
-        per_epoch[0] += 1
-    config = params.model_dump(mode="json")
-    config["train"].pop("node_rank", None)
-    return {
-        "micro_batches_per_epoch": per_epoch,
-        "split": [tr.split.micro, tr.split.accum, tr.split.world],
-        "resume_step": tr.progress.step,
-        "data": watchdog_fingerprint([len(tr.data), tr.data.buckets, tr.data.sources, fp]),
-        "config": watchdog_fingerprint(config),
-    }
-
-
-def _plans(tr: Trainer):
-    from sdforge.latents.bucket_batches import plan_epochs
-
-    return plan_epochs(tr.data.sample_bucket, tr.phase.epochs, tr.cfg.seed, tr.split.global_batch, tr.cfg.bucket_tail)
-
-
-def _leave_process_group(tr: Trainer) -> None:
-    """Tear DDP down in an order that cannot deadlock.
-
-    gloo's worker threads release a finished collective's tensors, which needs the GIL; the process group's
-    destructor joins those threads while holding it. Freed at ``run``'s return (the DDP reducer holds the
-    group), a rank hung about one run in four. A barrier lets the workers finish (waiting releases the GIL),
-    and the reducer is freed while the default group still holds the process group alive.
-    """
-    torch.distributed.barrier()
-    tr.model = None
-    gc.collect()
-    torch.distributed.destroy_process_group()
 
 
 def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: int, elapsed: float, logger) -> dict:
@@ -160,24 +110,9 @@ def _finish(params: Params, phase_name: str, tr: Trainer, losses, resumed_at: in
         curve = loss_curve_path(paths.metrics, phase_name)
         metrics["mean_loss"] = write_loss_curve(Path(paths.runs) / phase_name, curve)
         export_phase(tr, Path(paths.checkpoints) / phase_name, final_loss)
-        metrics.update(_ledger_metrics(tr, Path(paths.runs) / phase_name, Path(paths.checkpoints) / phase_name))
+        metrics.update(ledger_metrics(tr, Path(paths.runs) / phase_name, Path(paths.checkpoints) / phase_name))
         logger.finish(metrics, Path(paths.checkpoints) / phase_name)
     return metrics
-
-
-def _ledger_metrics(tr: Trainer, run_dir: Path, out_dir: Path) -> dict:
-    """The ledger's audit (exactly-once per epoch), per-source counts, losses and realised vs planned mix;
-    the whole ledger is written to ``out_dir/ledger.parquet`` beside the exported weights."""
-    import pyarrow.parquet as pq
-
-    ledger = read_ledger(run_dir, tr.ledger_segments)
-    pq.write_table(ledger, out_dir / "ledger.parquet", compression="zstd")
-    phase = tr.phase
-    planned = {k: (v / phase.samples if phase.mix_is_counts else v) for k, v in phase.mix.items()}
-    figures = audit(ledger, list(_plans(tr)), tr.epoch_lengths)
-    if figures["ledger.duplicates"] or figures["ledger.missing"] or figures["ledger.unplanned"]:
-        log.error("train@%s: the sample ledger is not exactly-once: %s", tr.phase_name, figures)
-    return {**figures, **source_summary(ledger, planned)}
 
 
 def _cli_args(argv: list[str]) -> argparse.Namespace:
@@ -236,10 +171,8 @@ def _rank_cli(argv: list[str]) -> None:
 
 
 def _exit_preempted(argv: list[str], stop: Preempted) -> None:
-    log.warning(
-        "train@%s: %s; exiting with status %d (rerunning, or the flow's retry, resumes from the newest checkpoint)",
-        _cli_args(argv).item, stop, PREEMPTED,
-    )
+    item, why = _cli_args(argv).item, "rerunning, or the flow's retry, resumes from the newest checkpoint"
+    log.warning("train@%s: %s; exiting with status %d (%s)", item, stop, PREEMPTED, why)
     raise SystemExit(PREEMPTED) from None
 
 

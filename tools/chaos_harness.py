@@ -43,6 +43,9 @@ import polars as pl
 import yaml
 from safetensors.torch import load_file
 
+from sdforge.latents.bucket_batches import plan_epochs
+from sdforge.latents.loader import LatentIndexDataset
+from sdforge.training.checkpoints import CheckpointError, verify_checkpoint
 from tools.kill_attempt import dvc_env
 from tools.kill_harness import _dvc, make_project
 from tools.tiny_demo import free_port
@@ -156,8 +159,6 @@ def _reap_group(pgid: int) -> None:
 
 def torn_checkpoints(root: Path) -> int:
     """Checkpoints under their final name whose manifest is missing or does not verify."""
-    from sdforge.training.checkpoints import CheckpointError, verify_checkpoint
-
     torn = 0
     for ckpt in sorted((root / "runs" / PHASE).glob("checkpoint-*")):
         if not ckpt.is_dir() or "." in ckpt.name:
@@ -171,9 +172,6 @@ def torn_checkpoints(root: Path) -> int:
 
 def ledger_counts(root: Path, params: dict) -> tuple[int, int]:
     """(duplicated, missing) samples over the phase's epochs, from the exported ledger and the epoch plans."""
-    from sdforge.latents.bucket_batches import plan_epochs
-    from sdforge.latents.loader import LatentIndexDataset
-
     ledger = pl.read_parquet(root / "checkpoints" / PHASE / "ledger.parquet")
     data = LatentIndexDataset(root / params["paths"]["mixes"] / f"{PHASE}.parquet", root / params["paths"]["latents"],
                               params["phases"][PHASE]["resolution"])

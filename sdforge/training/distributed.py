@@ -13,8 +13,10 @@ checkpoint at an unchanged world size, and re-derived from (seed, step, rank) wh
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -64,10 +66,6 @@ def part_generators(seeds: torch.Tensor) -> list[torch.Generator]:
 def derive_rank_rng(seed: int, step: int, rank: int) -> None:
     """Seed this process's python, numpy and torch (CPU, CUDA) RNGs from (seed, step, rank): the per-rank
     streams of a run resumed on another world size, a function of where it resumed only."""
-    import random
-
-    import numpy as np
-
     derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] % SEED_RANGE)
     random.seed(derived)
     np.random.seed(derived % 2**32)

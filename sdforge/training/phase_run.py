@@ -15,6 +15,7 @@ import torch
 
 from sdforge.io import write_json
 from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
+from sdforge.training.exits import clear_markers
 from sdforge.training.trainer import LOSS_TAIL, Trainer
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,38 @@ def prepare_run_dir(run_dir: Path, fp: str, is_main: bool) -> None:
         stamp.write_text(fp + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def open_run_dir(params, tr: Trainer) -> tuple[Path, str]:
+    """The phase's run dir, kept when its fingerprint (phase, training settings but :data:`NOT_TRAINING`, index,
+    init weights) matches, else started afresh; stale exit markers cleared. Returns it and the fingerprint."""
+    paths, phase_name = params.paths, tr.phase_name
+    run_dir = Path(paths.runs) / phase_name
+    fp = fingerprint(
+        Path(paths.mixes) / f"{phase_name}.parquet",
+        Path(paths.checkpoints) / tr.phase.init_from,
+        extra={"phase": tr.phase.model_dump(), "train": params.train.model_dump(exclude=NOT_TRAINING)},
+    )
+    prepare_run_dir(run_dir, fp, tr.dist.is_main)
+    if tr.dist.is_main:
+        clear_markers(run_dir)
+    return run_dir, fp
+
+
+def leave_process_group(tr: Trainer) -> None:
+    """Tear DDP down in an order that cannot deadlock (nothing to do on one process).
+
+    gloo's worker threads release a finished collective's tensors, which needs the GIL; the process group's
+    destructor joins those threads while holding it. Freed at ``run``'s return (the DDP reducer holds the
+    group), a rank hung about one run in four. A barrier lets the workers finish (waiting releases the GIL),
+    and the reducer is freed while the default group still holds the process group alive.
+    """
+    if tr.dist.world == 1:
+        return
+    torch.distributed.barrier()
+    tr.model = None
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:

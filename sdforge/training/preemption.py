@@ -31,6 +31,11 @@ class Preempted(Exception):
         where = f"checkpoint {checkpoint.name}" if checkpoint else "no new checkpoint (the last good one is kept)"
         super().__init__(f"preempted at step {step}: {where}, {elapsed_s:.1f} s after SIGTERM")
 
+    def record(self) -> dict:
+        """What ``runs/<phase>/PREEMPTED.json`` says."""
+        checkpoint = str(self.checkpoint) if self.checkpoint else None
+        return {"step": self.step, "checkpoint": checkpoint, "after_sigterm_s": round(self.elapsed_s, 2)}
+
 
 class PreemptionNotice:
     """Records SIGTERM (time of the first one) while installed; :meth:`close` restores the previous handler."""

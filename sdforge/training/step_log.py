@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
@@ -150,9 +152,6 @@ def training_note(tr: Trainer, metrics: dict, out_dir: Path) -> str:
 
 def ledger_counts(run_dir: Path, entries: list[dict]) -> dict[str, int]:
     """Samples per source in the ledger segments ``entries`` (what a resumed run had trained before)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     counts: dict[str, int] = {}
     for entry in entries:
         path = Path(run_dir) / LEDGER_DIR / entry["name"]

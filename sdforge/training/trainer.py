@@ -454,44 +454,50 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None, notice: PreemptionNotic
             grad_norm = tr.optimizer_step()
             p.batch = b // split.accum + 1
             per_sample = torch.cat(step_losses)
-            loss = float(per_sample.mean())
-            losses.append(loss)
+            losses.append(float(per_sample.mean()))
             codes = torch.from_numpy(tr.data.source_code[np.concatenate(step_positions)])
             agreed = agree(tr.dist, per_sample, codes, n_sources, notice, saver.write_estimate(), cfg.preempt_grace_s)
-            if watchdog:
-                watchdog.beat(p.step)
-                if cfg.validation_every and p.step % cfg.validation_every == 0:
-                    watchdog.long_operation()  # the main rank samples images; the others wait in the next step
-            if on_step:
-                stats = {
-                    "loss": loss,
-                    "lr": tr.lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm,
-                    "step_time_s": time.perf_counter() - group_t0,
-                    "data_wait_s": data_wait,
-                    "samples": int(per_sample.numel()),
-                    "sources": {
-                        name: [agreed.source_loss_sum[i], agreed.source_count[i]]
-                        for i, name in enumerate(tr.data.sources)
-                        if agreed.source_count[i]
-                    },
-                }
-                on_step(p.step, stats)
-                if watchdog:
-                    watchdog.step_resumes()  # validation on the main rank may have taken long
+            timing = {"step_time_s": time.perf_counter() - group_t0, "data_wait_s": data_wait}
+            _report_step(tr, losses[-1], grad_norm, int(per_sample.numel()), timing, agreed, on_step, watchdog)
             if agreed.stop:
                 path = saver.save(losses) if agreed.save else None
                 saver.close()
                 raise Preempted(p.step, path, agreed.elapsed_s)
             if cfg.save_steps and p.step % cfg.save_steps == 0 and p.batch < steps_in_epoch:
                 saver.save(losses)
-            _kill_point(p.step)
-            _hang_point(p.step, rank)
+            _fault_points(p.step, rank)
             t_ready = time.perf_counter()
         p.epoch, p.batch = p.epoch + 1, 0
         saver.save(losses)
     saver.close()
     return losses
+
+
+def _report_step(tr: Trainer, loss: float, grad_norm: float, samples: int, timing: dict, agreed, on_step, watchdog):
+    """After an optimizer step: the watchdog's beat (a validation step gets the long allowance on every rank:
+    the main rank samples images, the others wait in the next step) and ``on_step``'s stats."""
+    step, cfg = tr.progress.step, tr.cfg
+    if watchdog:
+        watchdog.beat(step)
+        if cfg.validation_every and step % cfg.validation_every == 0:
+            watchdog.long_operation()
+    if not on_step:
+        return
+    sources = {
+        name: [agreed.source_loss_sum[i], agreed.source_count[i]]
+        for i, name in enumerate(tr.data.sources)
+        if agreed.source_count[i]
+    }
+    stats = {"loss": loss, "lr": tr.lr_scheduler.get_last_lr()[0], "grad_norm": grad_norm, **timing,
+             "samples": samples, "sources": sources}
+    on_step(step, stats)
+    if watchdog:
+        watchdog.step_resumes()
+
+
+def _fault_points(step: int, rank: int) -> None:
+    _kill_point(step)
+    _hang_point(step, rank)
 
 
 def _kill_point(step: int) -> None:

@@ -226,7 +226,7 @@ def _default_store(dist):
     if dist.world == 1 or not torch.distributed.is_initialized():
         return None
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
+        from torch.distributed.distributed_c10d import _get_default_store  # private: guarded, only with world > 1
 
         return _get_default_store()
     except Exception as err:  # noqa: BLE001 - private API: without it the watchdog still fires, unnamed
