@@ -28,7 +28,7 @@ from sdforge.io import InputError, loss_curve_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
 from sdforge.training.exits import PREEMPTED, read_marker, write_marker
 from sdforge.training.launch import launch, needs_launch, torchrun_command
-from sdforge.training.phase_run import export_phase, leave_process_group, open_run_dir, tail_mean
+from sdforge.training.phase_run import export_phase, keep_global_batch, leave_process_group, open_run_dir, tail_mean
 from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.resume import restore_newest
 from sdforge.training.run_checks import ledger_metrics, rank_facts
@@ -42,9 +42,8 @@ log = logging.getLogger(__name__)
 def run(params: Params, phase_name: str) -> dict:
     """Train one phase (resuming if possible); export its weights; return metrics.
 
-    SIGTERM stops it at the next step boundary with a checkpoint (:class:`Preempted`, exit status
-    :data:`~sdforge.training.exits.PREEMPTED` from the CLI); a hang trips the watchdog (status
-    :data:`~sdforge.training.exits.HUNG`). docs/RESILIENCE.md.
+    SIGTERM stops it at the next step boundary with a checkpoint (:class:`Preempted`, exit status 75 from the
+    CLI); a hang trips the watchdog (status 76): :mod:`sdforge.training.exits`, docs/RESILIENCE.md.
     """
     torch.manual_seed(params.train.seed)
     notice = PreemptionNotice()
@@ -58,7 +57,8 @@ def _train(params: Params, phase_name: str, notice: PreemptionNotice) -> dict:
     dist = init_distributed()
     tr = Trainer(params, phase_name, dist)
     run_dir, fp = open_run_dir(params, tr)
-    restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
+    restored = restore_newest(run_dir, tr.restore, rank=dist.rank, world=dist.world, s3_url=params.train.checkpoint_s3)
+    keep_global_batch(tr, run_dir, restored is not None)
     start_ledger(tr, run_dir)
     check_ranks_agree(dist, rank_facts(params, tr, fp))
     resumed_at = tr.progress.step

@@ -70,3 +70,12 @@ def derive_rank_rng(seed: int, step: int, rank: int) -> None:
     random.seed(derived)
     np.random.seed(derived % 2**32)
     torch.manual_seed(derived)  # CPU and every CUDA device
+
+
+def broadcast_object(value, world: int):
+    """Rank 0's ``value`` on every rank (as is on one process)."""
+    if world > 1 and torch.distributed.is_initialized():
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return value

@@ -15,6 +15,7 @@ import torch
 
 from sdforge.io import write_json
 from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
+from sdforge.training.distributed import broadcast_object
 from sdforge.training.exits import clear_markers
 from sdforge.training.trainer import LOSS_TAIL, Trainer
 
@@ -90,6 +91,27 @@ def leave_process_group(tr: Trainer) -> None:
     tr.model = None
     gc.collect()
     torch.distributed.destroy_process_group()
+
+
+RUN_GLOBAL_BATCH = "global_batch.json"
+"""In the run dir: the global batch the run started with. A run resumed with no checkpoint yet (killed before
+its first) on another world size keeps it, as one resumed from a checkpoint does."""
+
+
+def keep_global_batch(tr: Trainer, run_dir: Path, restored: bool) -> None:
+    """Fix the run's global batch at its first start: without a checkpoint, take the one recorded in the run dir
+    (rank 0's, broadcast); record it (main rank); then refuse a plan without steps (:meth:`Trainer.check_plan`)."""
+    path = run_dir / RUN_GLOBAL_BATCH
+    saved = None
+    if tr.dist.is_main and not restored and path.is_file():
+        saved = json.loads(path.read_text()).get("global_batch")
+    saved = broadcast_object(saved, tr.dist.world)
+    if isinstance(saved, int) and saved != tr.split.global_batch:
+        log.info("run %s started with global batch %d: keeping it on %d rank(s)", run_dir, saved, tr.dist.world)
+        tr.set_global_batch(saved)
+    if tr.dist.is_main:
+        write_json(path, {"global_batch": tr.split.global_batch})
+    tr.check_plan()
 
 
 def export_phase(tr: Trainer, out_dir: Path, final_loss: float | None) -> None:

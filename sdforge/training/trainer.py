@@ -28,6 +28,7 @@ from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
 from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Adapter, Params, Phase, Train
+from sdforge.io import InputError
 from sdforge.latents.bucket_batches import plan_epoch
 from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
 from sdforge.training.checkpoints import (
@@ -108,7 +109,22 @@ class Trainer:
             self.data, phase.epochs, self.cfg.seed, global_batch, self.cfg.bucket_tail
         )
         self.total_steps = sum(self.epoch_lengths)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps)
+        # none yet when no bucket fills one global batch: a checkpoint may still bring the run's own global
+        # batch (another world size); check_plan() refuses to train without steps
+        self.lr_scheduler = (
+            build_lr_scheduler(self.optimizer, phase.warmup_steps, self.total_steps) if self.total_steps else None
+        )
+
+    def check_plan(self) -> None:
+        """An InputError naming the keys when the phase has no optimizer step at its global batch."""
+        if self.total_steps:
+            return
+        sizes = {f"{w}x{h}": int((self.data.sample_bucket == b).sum()) for b, (w, h) in enumerate(self.data.buckets)}
+        raise InputError(
+            f"train@{self.phase_name}: no optimizer step: every aspect bucket holds fewer samples than the global "
+            f"batch {self.split.global_batch} (samples per bucket: {sizes}); lower phases.{self.phase_name}.batch_size "
+            f"or grad_accum, train on fewer ranks, or give the phase more samples (phases.{self.phase_name}.samples)"
+        )
 
     def epoch_batches(self, epoch: int) -> list:
         """This rank's micro-batches (sample positions) of ``epoch``: :func:`sdforge.latents.loader.rank_batches`."""
