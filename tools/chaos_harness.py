@@ -20,8 +20,8 @@ Checks per sequence: every ``checkpoint-*`` directory under its final name carri
 exactly once (0 duplicated, 0 missing; recomputed here from the ledger, and the stage's own audit in its
 metrics); the exit statuses are the expected ones; the final weights are bit-identical (sha256) to the
 uninterrupted run of the same world size when the world never changed, and its final loss within
-:data:`LOSS_TOLERANCE` of it when it did (the weights' max |Δ| reported beside the 1-vs-2-rank references'). The last line is
-``RESULT name=chaos sequences=... torn=0 duplicated=0 missing=0 failed=0``. docs/RESILIENCE.md.
+:data:`LOSS_TOLERANCE` of it when it did (the weights' max |Δ| reported beside the 1-vs-2-rank references').
+The last line is ``RESULT name=chaos sequences=... torn=0 duplicated=0 missing=0 failed=0``. docs/RESILIENCE.md.
 """
 
 from __future__ import annotations
@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             out = run_sequence(root, sequence, refs, print)
             outcomes.append(out)
             print(f"    {' → '.join(out.events)}: exits {out.rcs}, torn {out.torn}, duplicated {out.duplicated}, "
-                  f"missing {out.missing}, bit-identical {out.bit_identical}, max |Δ| {out.max_diff}, loss rel {out.loss_rel}, "
+                  f"missing {out.missing}, bit-identical {out.bit_identical}, max |Δ| {out.max_diff}, "
+                  f"loss rel {out.loss_rel}, "
                   f"problems {out.problems or 'none'}", flush=True)
         failed = sum(bool(o.problems) for o in outcomes)
         print(f"RESULT name=chaos sequences={len(outcomes)} torn={sum(o.torn for o in outcomes)} "
