@@ -71,7 +71,7 @@ SEQUENCES: list[list[tuple[int, str, int]]] = [
     [(2, "term-short", 4), (1, "finish", 0)],
     [(1, "kill", 4), (2, "term", 5), (2, "finish", 0)],
     [(2, "term", 1), (1, "kill", 3), (2, "finish", 0)],
-    [(1, "term", 7), (2, "kill", 8), (1, "finish", 0)],
+    [(1, "term", 4), (2, "kill", 5), (1, "finish", 0)],
 ]
 """(world size, event, step after which it lands) per attempt."""
 
