@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -46,7 +47,17 @@ from sdforge.ingest.shards import iter_samples, tar_bytes
 from sdforge.latents import inputs as encode_inputs
 from stages import encode_latents as encode_stage
 
+FULL_PARAMS = Path(__file__).resolve().parents[1] / "configs/full/params.yaml"
 WORDS = ["a", "red", "green", "blue", "circle", "square", "on", "white", "black", "background"]
+
+
+def default_size(params) -> int:
+    """The side of the square bucket of the config's last encoded bucket set (demo: 32, full: 512)."""
+    names = params.encode.resolutions or list(params.buckets)
+    if not names:
+        return params.encode.resolution
+    bucket_set = params.buckets[names[-1]]
+    return math.isqrt(bucket_set.max_area) if bucket_set.max_area else max(max(s) for s in bucket_set.sizes)
 
 
 def make_tars(folder: Path, images: int, per_tar: int, size: int) -> Path:
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="512 images, 3 rounds (under a minute on the demo VAE)")
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--per-tar", type=int, default=250)
-    parser.add_argument("--size", type=int, help="image side (default: params.yaml encode.resolution)")
+    parser.add_argument("--size", type=int, help="image side (default: the last bucket set's square)")
     parser.add_argument("--vae", choices=["demo", "sd"], default="demo")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--batch-size", type=int, help="default: params.yaml encode.batch_size")
@@ -173,10 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    encode = load_params("params.yaml").encode
+    # the SD VAE runs with the full config's encode section (bf16, channels_last, its decode workers), the demo
+    # VAE with the demo's: a GPU run of `--vae sd` once measured the demo's fp32 setting by mistake (bench/README.md)
+    params = load_params(FULL_PARAMS if args.vae == "sd" else "params.yaml")
+    encode = params.encode
     if args.quick:
         args.images, args.rounds = 512, 3
-    size = args.size or encode.resolution
+    size = args.size or default_size(params)
     cfg = encode.model_copy(
         update={
             "device": args.device,
@@ -228,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             batch_size=cfg.batch_size,
             decode_workers=cfg.decode_workers,
+            precision=metrics["precision"],
             free_decode=args.free_decode,
             torch_threads=torch.get_num_threads(),
             rounds=args.rounds,

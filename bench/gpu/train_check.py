@@ -78,8 +78,13 @@ def twin(params_file: Path, root: Path) -> Path:
     return path
 
 
+PROGRESS_WORDS = ("step", "checkpoint", "resum", "error", "Error", "Traceback")
+"""Stage log lines echoed (prefixed with the run's name) as they come, so a check cut off by a time limit still
+shows how far each run got and how long its checkpoints took."""
+
+
 def train(params_file: Path, log_file: Path, kill_at: int | None = None) -> tuple[int, float, str]:
-    """Run the train stage on phase 1 in its own process; its return code, seconds and stderr."""
+    """Run the train stage on phase 1 in its own process; its return code, seconds and output (stdout + stderr)."""
     env = {**os.environ, "SDFORGE_PROGRESS": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workspace.REPO), env.get("PYTHONPATH")]))
     env.pop("SDFORGE_KILL_AT_STEP", None)
@@ -87,10 +92,19 @@ def train(params_file: Path, log_file: Path, kill_at: int | None = None) -> tupl
         env["SDFORGE_KILL_AT_STEP"] = str(kill_at)
     cmd = [sys.executable, "-m", "stages.train", "--params", str(params_file), "--item", workspace.PHASE]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=params_file.parent, env=env, capture_output=True, text=True)
+    lines = []
+    with subprocess.Popen(
+        cmd, cwd=params_file.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            if any(word in line for word in PROGRESS_WORDS):
+                print(f"  [{log_file.stem} {time.perf_counter() - t0:6.1f}s] {line.rstrip()[:200]}", flush=True)
     seconds = time.perf_counter() - t0
-    log_file.write_text(proc.stdout + proc.stderr)
-    return proc.returncode, seconds, proc.stderr
+    output = "".join(lines)
+    log_file.write_text(output)
+    print(f"  [{log_file.stem}] exit {proc.returncode} after {seconds:.1f}s", flush=True)
+    return proc.returncode, seconds, output
 
 
 def compare_weights(a_root: Path, b_root: Path) -> dict:

@@ -27,6 +27,9 @@ DEMO_PARAMS = REPO / "params.yaml"
 SOURCE = "laion"
 PHASE = "phase1"
 RESOLUTION, BUCKET = "square", (64, 64)
+TOKENS = 77
+"""Token ids per caption in the synthetic store, and the text encoder's positions: SD's 77 (the demo's own 16 would
+make the full-size check's cross-attention cheaper than real training)."""
 """The synthetic store's one bucket set and bucket: a label only (the latents are written, not encoded)."""
 TINY_UNET = {
     "sample_size": 8,
@@ -58,7 +61,10 @@ def workspace_params(root: Path, unet: dict, samples: int, train: dict, phase: d
     data["models"]["unet"] = {**unet, "in_channels": 4, "out_channels": 4}
     data["models"]["vae_build"].update(train_steps=1, block_out_channels=[8, 16], batch_size=4)
     data["models"]["text_encoder_build"].update(
-        hidden_size=unet["cross_attention_dim"], intermediate_size=4 * unet["cross_attention_dim"], num_hidden_layers=1
+        hidden_size=unet["cross_attention_dim"],
+        intermediate_size=4 * unet["cross_attention_dim"],
+        num_hidden_layers=1,
+        max_position_embeddings=TOKENS,
     )
     data["train"].update(validation_every=0, progress_bar=False, **train)
     base = {"mix": {SOURCE: 1.0}, "samples": samples, "with_replacement": False, "init_from": "scratch"}
@@ -70,7 +76,7 @@ def write_latents(latents_dir: Path, samples: int, size: int, seed: int = 0) -> 
     """One shard of ``samples`` seeded N(0, 1) latents ``[4, size, size]`` with token ids, and its manifest."""
     gen = torch.Generator().manual_seed(seed)
     latents = torch.randn(samples, 4, size, size, generator=gen)
-    ids = torch.randint(0, 500, (samples, 77), generator=gen)
+    ids = torch.randint(0, 500, (samples, TOKENS), generator=gen)
     path = shard_path(latents_dir, SOURCE, RESOLUTION, 0, BUCKET)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_shard(path, latents, ids)

@@ -164,7 +164,9 @@ def test_train_stage_under_torchrun_with_one_rank(tmp_path):
         {"save_steps": 4, "deterministic": False},
         {"epochs": 1, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1},
     )
-    env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": str(REPO)}
+    # keep the caller's PYTHONPATH: on the GPU machine it holds the carried wheels (pydantic, diffusers)
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": pythonpath}
     cmd = [
         sys.executable,
         "-m",
