@@ -8,6 +8,11 @@
 #   make run-phase PHASE=phase7   run a deployment through the stack and watch it
 #   make mlflow-ui    MLflow UI on http://127.0.0.1:5000 over sqlite:///mlflow.db
 #   make preflight    the full config's whole DAG on a small sample, real architectures; forecast (~40 min on 2 cores)
+#   make image        the CUDA image for the cluster (Dockerfile; IMAGE=registry/sdforge:tag); not needed otherwise
+#   make cluster-check   params ready for Kubernetes? every problem by key (docs/CLUSTER.md)
+#   make cluster-render  every manifest (work pool, each deployment's pod, each phase's training job) into cluster-manifests/
+#   make work-pool       create/update the Prefect Kubernetes work pool `gpu-pods` (deploy/kubernetes/work-pool.json)
+#   make cluster-deploy  the deployments of deploy/kubernetes/prefect.yaml on that pool
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -103,6 +108,24 @@ run-phase: venv
 
 mlflow-ui: venv
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+# The cluster's image (Dockerfile): tagged with the short commit unless IMAGE is given; GIT_SHA becomes its
+# org.opencontainers.image.revision label. Needs docker; nothing else depends on it.
+IMAGE ?= sdforge:$$(git rev-parse --short HEAD)
+.PHONY: image
+image:
+	docker build -t $(IMAGE) --build-arg GIT_SHA=$$(git rev-parse HEAD) .
+
+# Kubernetes (docs/CLUSTER.md): each runs tools.cluster on params.yaml, which first checks it for the cluster.
+.PHONY: cluster-check cluster-render work-pool cluster-deploy
+cluster-check: venv
+	$(PY) -m tools.cluster check
+cluster-render: venv
+	$(PY) -m tools.cluster render --out cluster-manifests
+work-pool: venv
+	$(PY) -m tools.cluster work-pool
+cluster-deploy: venv
+	$(PY) -m tools.cluster deploy
 
 # Pipeline outputs and local tracking state (DVC's cache in .dvc/cache is kept).
 clean-outputs:

@@ -655,9 +655,7 @@ class Train(Section):
     then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway."""
 
     @model_validator(mode="after")
-    def _multi_node_needs_rendezvous(self) -> Train:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("train.nnodes > 1 needs train.rdzv_endpoint ('host:port' of node 0)")
+    def _node_rank_in_range(self) -> Train:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
         return self
@@ -668,6 +666,7 @@ AdapterTarget = Literal[
 ]
 ADAPTER_TARGETS = get_args(AdapterTarget)
 """Layer groups an adapter may target; their diffusers module names are in :mod:`model.adapters` (``UNET_GROUPS``)."""
+
 
 class Adapter(Section):
     """Train a LoRA or DoRA (peft) on the phase's init weights instead of every UNet weight."""
@@ -877,6 +876,57 @@ class Eval(Section):
         return steps, self.guidance_scale if over.guidance_scale is None else over.guidance_scale
 
 
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def check_dns_label(name: str) -> str:
+    """Return ``name`` if Kubernetes accepts it as a namespace, service account or claim name (RFC 1123 label)."""
+    if not _DNS_LABEL.fullmatch(name):
+        raise ValueError(f"not a Kubernetes name: lower-case letters, digits and '-', at most 63; got {name!r}")
+    return name
+
+
+DnsLabel = Annotated[str, AfterValidator(check_dns_label)]
+
+
+class Cluster(Section):
+    """Kubernetes: the flows' pods (a Prefect Kubernetes work pool) and multi-node training jobs (docs/CLUSTER.md).
+
+    Nothing here is a credential: S3 access comes from ``service_account`` (IRSA / workload identity), MLflow's
+    address is a URL without a password. Off (``enabled: false``): every stage runs where the flow runs."""
+
+    enabled: bool = False
+    """On: with ``train.nnodes > 1`` the train stage submits an Indexed Job of ``nnodes`` pods (sdforge/cluster)."""
+    image: str | None = None
+    """The image built by ``make image`` (``registry/sdforge:<git sha>``); the flows' pods and the training pods."""
+    namespace: DnsLabel = "sdforge"
+    service_account: DnsLabel = "sdforge"
+    """The pods' service account: the one that grants the S3 bucket (no keys in any manifest or the image)."""
+    gpu_resource: str = "nvidia.com/gpu"
+    gpus_per_pod: int | None = Field(None, ge=0)
+    """GPUs requested per training pod; null: ``train.nproc_per_node`` (any other value is an error)."""
+    cpu: str = "16"
+    memory: str = "200Gi"
+    shm_size: str = "64Gi"
+    """Size of the memory-backed ``/dev/shm`` (an ``emptyDir`` with ``medium: Memory``): NCCL and data loaders."""
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, str]] = []
+    work_pvc: DnsLabel | None = None
+    """A ReadWriteMany claim holding the work dir (``paths.*``, DVC cache): required with ``train.nnodes > 1``, so
+    that every training pod reads the phase's inputs and rank 0's outputs land where the flow's pod hashes them."""
+    cache_pvc: DnsLabel | None = None
+    """A claim for ``HF_HOME`` (model downloads); null: an ``emptyDir`` per pod."""
+    repo_dir: str = "/opt/sdforge"
+    """Where the image holds the repo (the pods' working directory; relative ``paths.*`` resolve under it)."""
+    mlflow_tracking_uri: Url | None = None
+    """``MLFLOW_TRACKING_URI`` of the pods (an in-cluster MLflow server)."""
+    rdzv_port: int | None = Field(29400, ge=1, le=65535)
+    """torchrun's c10d rendezvous port on pod 0 of a training job (its host is pod 0's stable DNS name; the job
+    sets ``train.rdzv_endpoint`` from it). Required with ``train.nnodes > 1``."""
+    job_ttl_s: int = Field(86400, ge=0)
+    """Seconds a finished training job (and its pods' logs) stays before Kubernetes deletes it."""
+
+
 class Params(Section):
     """The whole ``params.yaml``."""
 
@@ -892,6 +942,7 @@ class Params(Section):
     train: Train = Train()
     phases: dict[PhaseName, Phase]
     eval: Eval
+    cluster: Cluster = Cluster()
 
     def bucket_sets(self) -> dict[str, BucketSet]:
         """``buckets``, or ``{"square": [encode.resolution]²}`` when none are defined."""
@@ -936,6 +987,18 @@ class Params(Section):
                     f"phases.{name}.min_snr_gamma: Min-SNR-γ weights the diffusion objective's timesteps; set it "
                     "to null for a flow_matching phase"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> Params:
+        train = self.train
+        if train.nnodes > 1 and self.cluster.enabled and self.cluster.rdzv_port is None:
+            raise ValueError(f"train.nnodes {train.nnodes} > 1 on the cluster needs cluster.rdzv_port (pod 0's port)")
+        if train.nnodes > 1 and not self.cluster.enabled and not train.rdzv_endpoint:
+            raise ValueError(
+                f"train.nnodes {train.nnodes} > 1 needs train.rdzv_endpoint ('host:port' of node 0), or "
+                "cluster.enabled: true (a Kubernetes job sets it)"
+            )
         return self
 
     @model_validator(mode="after")

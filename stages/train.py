@@ -1,15 +1,12 @@
 """Stage ``train@<phase>``: train the UNet on the phase's latent mix, from the previous phase's weights.
 
-Runs in-process for one process (CPU demo, one GPU); with ``train.nproc_per_node > 1`` or
-``train.nnodes > 1`` the entry re-executes itself under ``torchrun`` (:mod:`sdforge.training.launch`; DDP: NCCL
-on CUDA, gloo on CPU) and exits with its status. Rank 0 alone exports the weights, writes the
-metrics JSON and logs to MLflow; the launcher only waits and forwards SIGTERM/SIGINT.
-Resumable: checkpoints go to ``${paths.runs}/<phase>/`` (not a DVC output, so they survive a
-killed ``dvc repro``); a rerun with the same inputs continues from the newest good checkpoint
-mid-epoch. Output ``${paths.checkpoints}/<phase>/``: ``unet/`` (live), ``unet_ema/`` (EMA),
-``state.json`` (objective, flow shift, adapter), and for an adapter phase ``adapter/`` / ``adapter_ema/`` (diffusers
-LoRA files; docs/ADAPTERS.md); ``${paths.metrics}/train_loss/<phase>.csv``: the phase's loss curve. The loop itself is
-:mod:`sdforge.training.trainer`.
+One process trains in-process; ``train.nproc_per_node > 1`` or ``train.nnodes > 1`` re-executes the entry under
+``torchrun`` (:mod:`sdforge.training.launch`; NCCL on CUDA, gloo on CPU); ``cluster.enabled`` with ``nnodes > 1``
+submits a Kubernetes training job instead (:mod:`sdforge.cluster.train_job`). Rank 0 alone exports the weights,
+writes the metrics JSON and logs to MLflow. Resumable: checkpoints in ``${paths.runs}/<phase>/`` (not a DVC
+output: they survive a killed ``dvc repro``); a rerun continues from the newest good one mid-epoch. Output
+``${paths.checkpoints}/<phase>/``: ``unet/``, ``unet_ema/``, ``state.json``, ``adapter/`` / ``adapter_ema/``
+(docs/ADAPTERS.md); ``${paths.metrics}/train_loss/<phase>.csv``. The loop: :mod:`sdforge.training.trainer`.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from sdforge.cluster.train_job import run_cluster_stage, submits_job
 from sdforge.config import ConfigError, Params, Train, load_params
 from sdforge.io import InputError, loss_curve_path, setup_logging, stage_cli
 from sdforge.training.distributed import init_distributed
@@ -122,10 +120,10 @@ def _cli_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _launch_config(argv: list[str]) -> Train | None:
-    """``params.train`` if readable (else ``None``: :func:`stage_cli` then reports the error)."""
+def _launch_params(argv: list[str]) -> Params | None:
+    """The params if readable (else ``None``: :func:`stage_cli` then reports the error)."""
     try:
-        return load_params(_cli_args(argv).params).train
+        return load_params(_cli_args(argv).params)
     except (SystemExit, ConfigError, OSError, ValueError):
         return None
 
@@ -183,10 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     ``torchrun`` unless already a torchrun rank; rank 0 writes the metrics JSON, other ranks none.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = _launch_config(argv)
-    if cfg is not None and needs_launch(cfg, os.environ):
-        _relaunch(cfg, argv)
-        return
+    params = _launch_params(argv)
+    if params is not None and submits_job(params, os.environ):
+        setup_logging()
+        raise SystemExit(run_cluster_stage(Path(_cli_args(argv).params), _cli_args(argv).item))
+    if params is not None and needs_launch(params.train, os.environ):
+        return _relaunch(params.train, argv)
     try:
         if int(os.environ.get("RANK", "0")) == 0:
             stage_cli("train", run, argv=argv)

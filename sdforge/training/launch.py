@@ -31,6 +31,20 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SHUTDOWN_MARGIN_S = 10
 """torchrun's ``--shutdown_timeout`` is ``train.preempt_grace_s`` plus this."""
+NODE_RANK_ENV = "SDFORGE_NODE_RANK"
+"""This node's rank, overriding ``train.node_rank``: a Kubernetes training job sets it from the pod's index."""
+TRAIN_JOB_ENV = "SDFORGE_TRAIN_JOB"
+"""Set in a training job's pods (the job's name): the stage runs torchrun there instead of submitting a job."""
+
+
+def node_rank(cfg: Train, env: Mapping[str, str]) -> int:
+    """``SDFORGE_NODE_RANK`` if set (a pod of a training job), else ``train.node_rank``."""
+    value = env.get(NODE_RANK_ENV)
+    if value is None:
+        return cfg.node_rank
+    if not value.isdigit() or int(value) >= cfg.nnodes:
+        raise ValueError(f"{NODE_RANK_ENV}={value!r}: not a node rank below train.nnodes {cfg.nnodes}")
+    return int(value)
 
 
 def needs_launch(cfg: Train, env: Mapping[str, str]) -> bool:
@@ -39,8 +53,11 @@ def needs_launch(cfg: Train, env: Mapping[str, str]) -> bool:
     return wants_many and not any(k in env for k in TORCHRUN_ENV)
 
 
-def torchrun_command(cfg: Train, argv: Sequence[str], module: str = "stages.train") -> list[str]:
-    """``torchrun ... -m module argv``: c10d rendezvous if an endpoint is set, else --standalone."""
+def torchrun_command(
+    cfg: Train, argv: Sequence[str], module: str = "stages.train", env: Mapping[str, str] | None = None
+) -> list[str]:
+    """``torchrun ... -m module argv``: c10d rendezvous if an endpoint is set, else --standalone; the node rank
+    from :func:`node_rank` (``env``: default ``os.environ``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -50,7 +67,7 @@ def torchrun_command(cfg: Train, argv: Sequence[str], module: str = "stages.trai
         "--nnodes",
         str(cfg.nnodes),
         "--node_rank",
-        str(cfg.node_rank),
+        str(node_rank(cfg, os.environ if env is None else env)),
         # after SIGTERM torchrun waits this long for the ranks (stopping at a step boundary, checkpointing)
         # before SIGKILL; its default, 30 s, would cut a preemption checkpoint short
         "--shutdown_timeout",

@@ -20,6 +20,7 @@ import yaml
 from sdforge.config import Train
 from sdforge.training.launch import launch, needs_launch, torchrun_command
 from stages import train as train_stage
+from tests.fixtures.training import run_node_agents
 
 REPO = Path(__file__).resolve().parents[3]
 ARGV = ["--params", "params.yaml", "--item", "phase1"]
@@ -179,16 +180,9 @@ def test_two_nodes_on_loopback_rendezvous_and_agree(tmp_path):
         cfg = Train(nproc_per_node=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=f"127.0.0.1:{port}")
         cmd = torchrun_command(cfg, [str(tmp_path)], module="two_node_worker")
         assert cmd[cmd.index("--rdzv_endpoint") + 1] == f"127.0.0.1:{port}" and "--standalone" not in cmd
-        nodes.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+        nodes.append((cmd, env))
+    ended = run_node_agents(nodes, tmp_path, timeout=240)
+    assert [rc for rc, _ in ended] == [0, 0], "\n".join(out[-3000:] for _, out in ended)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2] and [r["rank_sum"] for r in ranks] == [1.0, 1.0]
     assert {r["node_rank_arg"] for r in ranks} == {"0", "1"}  # one process per node
