@@ -21,6 +21,7 @@ import copy
 import hashlib
 import math
 import re
+import secrets
 from pathlib import PurePosixPath
 
 import yaml
@@ -39,11 +40,13 @@ GRACE_MARGIN_S = 5
 """Pod grace beyond torchrun's shutdown timeout (``train.preempt_grace_s`` + its margin): the launcher exits last."""
 
 
-def job_name(phase: str, params_text: str) -> str:
-    """``sdforge-<phase>-<8 hex of the params>``: a DNS label short enough for ``<name>-<index>`` pod names."""
-    digest = hashlib.sha256(params_text.encode()).hexdigest()[:8]
+def job_name(phase: str, params_text: str, attempt: str | None = None) -> str:
+    """``sdforge-<phase>-<6 hex of the params>-<attempt>``: a DNS label short enough for ``<name>-<index>`` pod
+    names. ``attempt`` (default: 4 random hex) keeps a retry's job apart from the failed one, which stays for
+    ``cluster.job_ttl_s`` with its pods' logs."""
+    digest = hashlib.sha256(params_text.encode()).hexdigest()[:6]
     slug = re.sub(r"[^a-z0-9-]+", "-", phase.lower()).strip("-")[:30] or "phase"
-    return f"sdforge-{slug}-{digest}"
+    return f"sdforge-{slug}-{digest}-{attempt or secrets.token_hex(2)}"
 
 
 def work_mounts(params: Params) -> list[tuple[str, str]]:
@@ -136,11 +139,12 @@ def _container(params: Params, job: str, phase: str) -> dict:
     }
 
 
-def training_job(data: dict, phase: str) -> list[dict]:
-    """The objects of ``phase``'s training job, in creation order: ConfigMap (params), headless Service, Job."""
+def training_job(data: dict, phase: str, attempt: str | None = None) -> list[dict]:
+    """The objects of ``phase``'s training job, in creation order: ConfigMap (params), headless Service, Job
+    (``attempt``: the job name's last part, :func:`job_name`)."""
     params = parse_params(data)
     text = yaml.safe_dump(data, sort_keys=True)
-    job = job_name(phase, text)
+    job = job_name(phase, text, attempt)
     cluster, nnodes = params.cluster, params.train.nnodes
     meta = {"name": job, "namespace": cluster.namespace, "labels": _labels(job, phase)}
     config_map = {

@@ -97,6 +97,15 @@ def test_training_job_validates_and_holds_what_matters(nnodes):
     assert pod["terminationGracePeriodSeconds"] > params.train.preempt_grace_s + 10
 
 
+def test_each_submission_gets_its_own_job_name():
+    """A retry must not collide with the failed job, which stays for cluster.job_ttl_s with its logs."""
+    first, second = (by_kind(training_job(cluster_data(2), "phase_7"))["Job"]["metadata"]["name"] for _ in range(2))
+    assert first != second and first.rsplit("-", 1)[0] == second.rsplit("-", 1)[0]
+    assert first.startswith("sdforge-phase-7-") and len(f"{first}-3") <= 63
+    named = by_kind(training_job(cluster_data(2), "phase7", attempt="a1b2"))["Job"]["metadata"]["name"]
+    assert named.endswith("-a1b2")
+
+
 def test_work_dir_mounts_follow_params_paths():
     """One claim, mounted under the repo where each top folder of ``paths.*`` and DVC's cache live."""
     job = by_kind(training_job(cluster_data(2), "phase1"))["Job"]
