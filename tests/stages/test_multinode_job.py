@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from sdforge.cluster.manifests import HF_HOME, PARAMS_DIR, training_job
+from sdforge.training.exits import PREEMPTED
 from sdforge.training.launch import NODE_RANK_ENV
 from tests.fixtures.training import DDP_MAX_ABS_DIFF, REPO, build_workspace, run_node_agents, train, weights
 
@@ -40,7 +48,7 @@ def _job_pods(root, params_file):
     assert job_params["train"]["rdzv_endpoint"].startswith(f"{job['metadata']['name']}-0.")
     job_params["train"]["rdzv_endpoint"] = f"127.0.0.1:{_free_port()}"
     params_dir = root / "configmap"
-    params_dir.mkdir()
+    params_dir.mkdir(exist_ok=True)
     (params_dir / "params.yaml").write_text(yaml.safe_dump(job_params))
     (container,) = job["spec"]["template"]["spec"]["containers"]
     command = [sys.executable if a == "python" else a for a in container["command"]]
@@ -53,13 +61,19 @@ def _job_pods(root, params_file):
     return [(command, {**base, **env, NODE_RANK_ENV: str(index)}) for index in range(job["spec"]["completions"])]
 
 
-def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(tmp_path_factory):
+@pytest.fixture(scope="module")
+def two_pods(tmp_path_factory):
+    """phase1 trained, uninterrupted, by the job's two pods; the workspace root."""
     root = tmp_path_factory.mktemp("two-pods")
-    pods = _job_pods(root, build_workspace(root))
-    ended = run_node_agents(pods, root)
+    ended = run_node_agents(_job_pods(root, build_workspace(root)), root)
     outputs = [out for _, out in ended]
     assert [rc for rc, _ in ended] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "--nnodes 2 --node_rank 0" in outputs[0] and "--nnodes 2 --node_rank 1" in outputs[1]
+    return root
+
+
+def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(two_pods, tmp_path_factory):
+    root = two_pods
     one_root = tmp_path_factory.mktemp("one-process")
     done = train(build_workspace(one_root), "phase1")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -73,3 +87,40 @@ def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(t
         diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
         print(f"{sub}: max |2 pods - 1 process| = {diff:.3g}")
         assert diff <= DDP_MAX_ABS_DIFF, f"{sub}: two pods differ from one process by {diff:.3g} > {DDP_MAX_ABS_DIFF}"
+
+
+def _terminate_pod_after_steps(agents: list[subprocess.Popen], steps_file: Path, steps: int, pod: int) -> None:
+    """SIGTERM pod ``pod``'s entry process (what the kubelet signals) once rank 0 has logged ``steps`` steps."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(a.poll() is None for a in agents):
+        if steps_file.exists() and len(steps_file.read_text().splitlines()) >= steps:
+            os.kill(agents[pod].pid, signal.SIGTERM)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"rank 0 never logged {steps} steps")
+
+
+def test_sigterm_to_one_pod_checkpoints_every_pod_and_the_rerun_resumes_bit_identically(two_pods, tmp_path):
+    """A pod deleted (or a spot node reclaimed) gets SIGTERM: its launcher forwards it to torchrun, the ranks of
+    both pods agree to stop at the next step boundary, write one checkpoint and exit 75 — the status the job
+    runner hands to the flow's retry — and the rerun of both pods resumes and ends bit-identical."""
+    workspace = build_workspace(tmp_path)
+    pods = _job_pods(tmp_path, workspace)
+    agents = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd, env in pods
+    ]  # fmt: skip
+    threading.Thread(
+        target=_terminate_pod_after_steps, args=(agents, tmp_path / "runs/phase1/steps.jsonl", 2, 1), daemon=True
+    ).start()
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [PREEMPTED, PREEMPTED], "\n".join(o[-3000:] for o in outputs)
+    stopped_at = json.loads((tmp_path / "runs/phase1/PREEMPTED.json").read_text())["step"]
+    assert 2 < stopped_at < 6 and (tmp_path / f"runs/phase1/checkpoint-{stopped_at:08d}/COMPLETE").is_file()
+    ended = run_node_agents(_job_pods(tmp_path, workspace), tmp_path)
+    assert [rc for rc, _ in ended] == [0, 0], "\n".join(out[-3000:] for _, out in ended)
+    assert f"at step {stopped_at} " in ended[0][1]
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(two_pods, "phase1", sub), weights(tmp_path, "phase1", sub)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub}: the resumed pods differ from the uninterrupted ones"
