@@ -130,17 +130,22 @@ def run_training_job(
                 api.delete(obj)
 
 
-class KubernetesApi:  # pragma: no cover - needs a cluster; the logic above is tested with a fake
-    """:class:`ClusterApi` on the ``kubernetes`` client, with the pod's in-cluster credentials (else kubeconfig)."""
+class KubernetesApi:
+    """:class:`ClusterApi` on the ``kubernetes`` client: the pod's in-cluster credentials (else the kubeconfig), or
+    ``host`` (an API server URL; the tests' loopback stand-in)."""
 
-    def __init__(self):
+    def __init__(self, host: str | None = None):
         from kubernetes import client, config  # only where a cluster is used: the tests fake this class
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.core, self.batch = client.CoreV1Api(), client.BatchV1Api()
+        if host:
+            api = client.ApiClient(client.Configuration(host=host))
+        else:  # pragma: no cover - needs a cluster
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.ApiClient()
+        self.core, self.batch = client.CoreV1Api(api), client.BatchV1Api(api)
 
     def create(self, obj: dict) -> None:
         ns = obj["metadata"]["namespace"]
@@ -170,7 +175,7 @@ class KubernetesApi:  # pragma: no cover - needs a cluster; the logic above is t
             yield from raw.decode(errors="replace").splitlines()
 
 
-def _pod_state(pod) -> PodState:  # pragma: no cover - kubernetes client objects
+def _pod_state(pod) -> PodState:
     annotations = pod.metadata.annotations or {}
     index = int(annotations.get("batch.kubernetes.io/job-completion-index", "0"))
     code = reason = None
