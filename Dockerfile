@@ -64,18 +64,18 @@ RUN python3 -m venv /opt/sdforge/.venv \
 COPY --from=src --chown=sdforge:sdforge /src /opt/sdforge
 
 # ... then the project, editable (the flows run `python -m stages.<stage>` from this checkout), without the test
-# extra, plus the Kubernetes worker's packages (the cluster path); img2dataset and open-clip-torch without their
+# extra (its dependencies include the cluster path's prefect-kubernetes and kubernetes); img2dataset and open-clip-torch without their
 # deps, and no `dataclasses` backport (it shadows the stdlib inside Prefect). The venv stays root's (a run cannot
 # change its own dependencies); the checkout, the work folders and the cache are sdforge's.
-RUN pip install --no-cache-dir -e . prefect-kubernetes==0.8.0 kubernetes==37.0.2 \
+RUN pip install --no-cache-dir -e . \
  && pip install --no-cache-dir --no-deps img2dataset==1.47.0 open-clip-torch==3.3.0 \
  && if pip show -q dataclasses >/dev/null 2>&1; then pip uninstall -y dataclasses; fi \
  && python -c "import torch, sys; v, c = torch.__version__, torch.version.cuda; \
 sys.exit(0 if v.split('+')[0] == '${TORCH_VERSION}' and c and '${CUDA_VERSION}'.startswith(c + '.') \
 else f'torch {v} (CUDA {c}) is not ${TORCH_VERSION} for CUDA ${CUDA_VERSION}')" \
- && mkdir -p /cache/huggingface /cache/torch data checkpoints runs eval metrics .dvc/cache .dvc/tmp \
+ && mkdir -p /cache/huggingface /cache/torch data models checkpoints runs eval metrics .dvc/cache .dvc/tmp \
  && chown sdforge:sdforge /opt/sdforge \
- && chown -R sdforge:sdforge /cache data checkpoints runs eval metrics .dvc
+ && chown -R sdforge:sdforge /cache data models checkpoints runs eval metrics .dvc
 
 # Run-time settings (no credentials: MLFLOW_TRACKING_URI and the like come from the pod spec). The Makefile's
 # analytics switches, not its offline ones: the full config downloads its frozen models into HF_HOME.
