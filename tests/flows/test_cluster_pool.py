@@ -43,8 +43,19 @@ def test_the_work_pool_and_the_cluster_deployments_on_a_prefect_server(prefect_s
     for key, value in pool_defaults(parse_params(data)).items():
         assert props[key]["default"] == value, key
     assert props["gpus"]["default"] == 2 and props["image"]["default"] == data["cluster"]["image"]
-    # the deployments of deploy/kubernetes/prefect.yaml, on that pool, with their job variables
-    assert cluster_cli(["deploy", "--params", str(params_file)]) == 0
+    # the deployments of deploy/kubernetes/prefect.yaml, on that pool, with their job variables. They share their
+    # names with the local ones (train-phase/phase1 …): the stack's own deployments are put back afterwards, or
+    # later tests' runs would wait for a Kubernetes worker
+    try:
+        assert cluster_cli(["deploy", "--params", str(params_file)]) == 0
+        _check_deployments(env, data)
+    finally:
+        prefect_stack.deploy()
+    local = json.loads(_prefect(env, "deployment", "inspect", "train-phase/phase1", "--output", "json").stdout)
+    assert local["work_pool_name"] == prefect_stack.pool
+
+
+def _check_deployments(env: dict, data: dict) -> None:
     for name, variables in deployments().items():
         flow = name if name in ("data-prep", "eval") else "train-phase"
         shown = _prefect(env, "deployment", "inspect", f"{flow}/{name}", "--output", "json")
