@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     params = _launch_params(argv)
     if params is not None and submits_job(params, os.environ):
-        setup_logging()
-        raise SystemExit(run_cluster_stage(Path(_cli_args(argv).params), _cli_args(argv).item))
+        args = _cli_args(argv)
+        raise SystemExit(run_cluster_stage(Path(args.params), args.item))
     if params is not None and needs_launch(params.train, os.environ):
         return _relaunch(params.train, argv)
     try:

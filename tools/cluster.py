@@ -59,11 +59,13 @@ def _write(out_dir: Path, rendered: dict[str, list[dict]]) -> None:
 
 
 def _work_pool(data: dict, name: str) -> int:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(pool_template(parse_params(data)), f, indent=2)
-    cmd = ["prefect", "work-pool", "create", name, "--type", "kubernetes", "--base-job-template", f.name, "--overwrite"]
-    log.info("%s", " ".join(cmd))
-    return subprocess.run(cmd, check=False).returncode
+    with tempfile.TemporaryDirectory(prefix="sdforge-pool-") as tmp:
+        template = Path(tmp) / "base-job-template.json"
+        template.write_text(json.dumps(pool_template(parse_params(data)), indent=2))
+        cmd = ["prefect", "work-pool", "create", name, "--type", "kubernetes", "--base-job-template", str(template),
+               "--overwrite"]  # fmt: skip
+        log.info("%s", " ".join(cmd))
+        return subprocess.run(cmd, check=False).returncode
 
 
 def _deploy(data: dict) -> int:

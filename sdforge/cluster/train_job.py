@@ -18,6 +18,7 @@ from sdforge.cluster.checks import check_cluster
 from sdforge.cluster.job_runner import ClusterApi, JobFailed, KubernetesApi, run_training_job
 from sdforge.cluster.manifests import training_job
 from sdforge.config import ConfigError, Params, parse_params
+from sdforge.io import setup_logging
 from sdforge.training.launch import TRAIN_JOB_ENV
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def run_on_cluster(params_file: Path, phase: str, api: ClusterApi | None = None)
 
 def run_cluster_stage(params_file: Path, phase: str, api: ClusterApi | None = None) -> int:
     """:func:`run_on_cluster` for the stage's CLI: its exit status (0; 2: params wrong, nothing submitted; the
-    job's failure status otherwise: 75/76 are resumable, and the flow's retry takes them)."""
+    job's failure status otherwise: 75/76 are resumable, and the flow's retry takes them). Sets up logging."""
+    setup_logging()
     try:
         run_on_cluster(params_file, phase, api)
     except ConfigError as err:
