@@ -148,6 +148,7 @@ class Paths(Section):
     metadata: str
     filtered: str
     shards: str
+    captions: str
     latents: str
     models: str
     mixes: str
@@ -196,6 +197,14 @@ class DemoConcept(Section):
     """Images in the concept source: its colour on every shape and background, in turn, on ``canvases``."""
 
 
+class DemoWebdump(Section):
+    """A demo source whose captions are useless — camera file names — so only recaptioning makes it trainable
+    (``<demo_source>/webdump/``; ``make demo-recaption``)."""
+
+    images: int = Field(192, ge=1)
+    """Images of shown colour/shape/background combinations (never a held-out one nor the concept colour)."""
+
+
 class DemoData(Section):
     """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
 
@@ -227,6 +236,8 @@ class DemoData(Section):
     eval prompts that ask for them measure whether the model composes words it saw only apart."""
     concept: DemoConcept | None = None
     """A new colour word for the adapter phase; the LAION and DiffusionDB parts never show it (nor the VAE)."""
+    webdump: DemoWebdump | None = None
+    """A source captioned with file names (recaptioned by the demo captioner); null: none."""
 
     @model_validator(mode="after")
     def _concept_is_new(self) -> DemoData:
@@ -421,6 +432,46 @@ class LocalOptions(Section):
     seed: int = 0
 
 
+class Shorten(Section):
+    """The optional second captioning pass: a text model rewrites each accepted caption shorter (the reference
+    SD3 run's LLaVA → Llama). Loaded with ``AutoModelForCausalLM`` / ``AutoModelForSeq2SeqLM``."""
+
+    model: Url
+    revision: str | None = None
+    prompt: str = "Rewrite this image description in at most 30 words: {caption}\nShort description:"
+    """``{caption}`` is replaced by the vision model's caption."""
+    generation: dict[str, StrictInt | float | bool] = {"max_new_tokens": 48, "num_beams": 1}
+
+
+class Recaption(Section):
+    """``sources.<s>.recaption``: the ``caption_images`` stage's captioner (docs/CAPTIONS.md).
+
+    Any model ``AutoModelForImageTextToText`` loads (BLIP, Florence-2, LLaVA-style, Qwen-VL-style), from a hub id
+    or a local folder; ``build``: the demo's captioner that ``prepare_models`` trains into ``paths.models``."""
+
+    model: Url
+    revision: str | None = None
+    prompt: str = ""
+    """The text the model continues (BLIP: ``a picture of``) or its instruction (LLaVA-style chat prompt)."""
+    generation: dict[str, StrictInt | float | bool] = {"max_new_tokens": 40, "num_beams": 1}
+    """``generate`` keyword arguments; ``do_sample`` is refused (captions must be a function of the image)."""
+    batch_size: int = Field(16, ge=1)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """``vllm`` (installed apart: ``pip install vllm``, CUDA only) serves the same model for throughput."""
+    max_tokens: int = Field(77, ge=1)
+    """CLIP tokens a synthetic caption may have; longer ones are rejected (the text encoder would cut them)."""
+    shorten: Shorten | None = None
+
+    @field_validator("generation")
+    @classmethod
+    def _deterministic(cls, generation: dict) -> dict:
+        if generation.get("do_sample"):
+            raise ValueError("do_sample must be false: the content cache keys captions on the settings")
+        return generation
+
+
 class Source(Section):
     """One data source: where its metadata/archives come from and how to filter/fetch."""
 
@@ -438,6 +489,8 @@ class Source(Section):
     vggface2: FaceOptions = FaceOptions()
     coco: CocoOptions = CocoOptions()
     local: LocalOptions = LocalOptions()
+    recaption: Recaption | None = None
+    """A vision-language model rewrites this source's captions (stage ``caption_images``); null: originals only."""
 
 
 class VaeBuild(Section):
@@ -521,6 +574,18 @@ class NoiseSchedule(Section):
         return self
 
 
+class CaptionerBuild(Section):
+    """The demo's captioner: a tiny BLIP trained in ``prepare_models`` on demo renders (``recaption.model: build``).
+    sdforge/demo/captioner.py says what it learns; bench.demo_captioner measures it."""
+
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    width: int = Field(64, ge=16)
+    layers: int = Field(2, ge=1)
+    image_size: int = Field(32, ge=16)
+
+
 class Models(Section):
     """Where the frozen VAE / text encoder come from, and the UNet architecture."""
 
@@ -537,6 +602,8 @@ class Models(Section):
     text_encoder_build: TextEncoderBuild = TextEncoderBuild()
     unet: UNetSpec = UNetSpec()
     noise: NoiseSchedule = NoiseSchedule()
+    captioner_build: CaptionerBuild | None = None
+    """Train the demo captioner into ``paths.models``/captioner (null: none is built)."""
     seed: int = 0
 
 
@@ -691,6 +758,20 @@ class Adapter(Section):
         return targets
 
 
+class CaptionMix(Section):
+    """``phases.<p>.caption_mix``: the share of samples that train with their original and with their synthetic
+    caption (``caption_images``), chosen per (seed, sample, epoch) (:mod:`sdforge.captions.mix`)."""
+
+    original: float = Field(ge=0, le=1)
+    synthetic: float = Field(ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> CaptionMix:
+        if abs(self.original + self.synthetic - 1.0) > 1e-6:
+            raise ValueError(f"original + synthetic must be 1; got {self.original} + {self.synthetic}")
+        return self
+
+
 class Phase(Section):
     """One training phase: its data mix and hyper-parameters."""
 
@@ -738,6 +819,14 @@ class Phase(Section):
     a multiplier, usually 1.0)."""
     adapter: Adapter | None = None
     """Train a LoRA/DoRA on the init weights instead of the whole UNet (null: a full fine-tune)."""
+    caption_mix: CaptionMix | None = None
+    """null: original captions only. A sample without a synthetic caption (its source not recaptioned, or its
+    caption rejected) trains with its original one whatever the draw."""
+
+    @property
+    def synthetic_share(self) -> float:
+        """The probability that a sample with a synthetic caption trains with it in an epoch."""
+        return self.caption_mix.synthetic if self.caption_mix else 0.0
 
     @property
     def mix_is_counts(self) -> bool:

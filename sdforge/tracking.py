@@ -42,7 +42,7 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 """The experiment kind whose MLflow 3 UI opens on the runs table (untagged, it opens the GenAI view)."""
 STAGE_ORDER = (
-    "make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models",
+    "make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models", "caption_images",
     "encode_latents", "mix_phase", "train", "eval_grid", "report",
 )
 MAX_TAG_CHARS = 8000
@@ -193,7 +193,7 @@ class NullTracking:
         return None
 
     log_metric = log_metrics = log_param = log_params = _drop
-    log_text = log_dict = log_image = log_figure = log_artifact = log_artifacts = _drop
+    log_text = log_dict = log_image = log_figure = log_artifact = log_artifacts = log_table = _drop
     set_tag = set_tags = _drop
 
     def active_run(self) -> None:

@@ -5,7 +5,9 @@ One folder per bucket set the source is encoded at (``encode.resolutions``, name
 resized to cover it and centre-cropped (:mod:`sdforge.ingest.buckets`); per input tar ``NNNNN.tar``:
 
 - ``shard-NNNNN-WxH.safetensors`` per bucket W×H used: ``latents`` fp16 ``[N, C, H/f, W/f]`` (posterior
-  mean × scaling factor), ``input_ids`` int32 ``[N, 77]``; ``__metadata__``: the input tar (name, size,
+  mean × scaling factor), ``input_ids`` int32 ``[N, 77]``, and ``synthetic_ids`` when ``caption_images`` wrote
+  synthetic captions for the tar (``paths.captions/<source>/NNNNN.parquet``; a change of them redoes the
+  shard); ``__metadata__``: the input tar (name, size,
   sha256), the encoder fingerprint (VAE + tokenizer files, skip policy, precision), the sample count and
   the bad-sample counts;
 - ``shard-NNNNN.parquet``: that tar's manifest rows with the same metadata, written after them;
@@ -39,6 +41,7 @@ import pyarrow.parquet as pq
 import torch
 
 from model.precision import uses_bf16_autocast
+from sdforge.captions.store import read_captions
 from sdforge.config import Encode, Params
 from sdforge.ingest.buckets import Size, shapes_of
 from sdforge.io import InputError, atomic_write_bytes, stage_cli
@@ -47,6 +50,7 @@ from sdforge.latents import store as store
 from sdforge.latents.encoded import (
     COUNT_KEYS,
     MANIFEST_SCHEMA,
+    captions_digest,
     clean_stale,
     encode_and_write,
     encoder_fingerprint,
@@ -66,10 +70,11 @@ def resolve_device(device: str) -> str:
 
 
 def run(
-    cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path, buckets: list[Size] | None = None
+    cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path, buckets: list[Size] | None = None,
+    captions_dir: Path | None = None,
 ) -> dict:
     """Encode every input tar of ``shard_dir`` not already encoded under ``out_dir`` at ``buckets`` (default:
-    square ``cfg.resolution``); return metrics."""
+    square ``cfg.resolution``), with the synthetic captions of ``captions_dir`` (caption_images); return metrics."""
     t0 = time.perf_counter()
     buckets = buckets or [(cfg.resolution, cfg.resolution)]
     models_dir, out_dir = Path(models_dir), Path(out_dir)
@@ -79,15 +84,19 @@ def run(
     encoder = encoder_fingerprint(models_dir, cfg, precision, buckets)
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_stale(out_dir, {t.shard for t in tars})
+    captions = {t.shard: read_captions(captions_dir, Path(t.name).stem) if captions_dir else None for t in tars}
+    digests = {shard: captions_digest(c) for shard, c in captions.items()}
     with ThreadPoolExecutor(4) as pool:  # hashing the inputs of finished shards: disk-bound, GIL released
-        checked = pool.map(lambda t: reusable(t, out_dir, encoder, buckets), tars)
+        checked = pool.map(lambda t: reusable(t, out_dir, encoder, buckets, digests[t.shard]), tars)
         parts = {t.shard: done for t, done in zip(tars, checked, strict=True) if done is not None}
     todo = [t for t in tars if t.shard not in parts]
     log.info("%s: %d input tars, %d already encoded, %d to encode", shard_dir, len(tars), len(parts), len(todo))
     stats: Counter = Counter()
     if todo:
         (out_dir / store.MANIFEST).unlink(missing_ok=True)
-        written = encode_and_write(cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats, buckets)
+        written = encode_and_write(
+            cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats, buckets, captions
+        )
         parts.update(written)
     tables = [parts[t.shard][0] for t in tars]
     manifest = pa.concat_tables(tables) if tables else MANIFEST_SCHEMA.empty_table()
@@ -137,7 +146,8 @@ def run_resolutions(params: Params, source: str) -> dict:
     for name in params.encoded_resolutions():
         out = store.resolution_dir(Path(paths.latents), source, name)
         shapes = shapes_of(sets[name])
-        got = run(params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), out, shapes)
+        captions = Path(paths.captions) / source
+        got = run(params.encode, source, _shard_dir(paths.shards, source), Path(paths.models), out, shapes, captions)
         for key in ("samples", "shards_encoded", "buckets", "images_per_second"):
             metrics[f"{name}.{key}"] = got[key]
         if got["images_per_second"]:

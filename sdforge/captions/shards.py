@@ -8,14 +8,16 @@ An unreadable image or a rejected generation keeps the original caption and is c
 never fails its shard.
 
 Columns: key, image_sha256, original_caption, synthetic_caption (the caption to use: the original where rejected),
-generated (the model's text), rejected (reason or null), model, revision, settings (fingerprint), tokens (CLIP
-token count of the generation), truncated (over the token cap).
+generated (the model's text), rejected (reason or null), model, revision, prompt_sha256, settings (fingerprint),
+tokens (CLIP token count of the generation), truncated (over the token cap). The file's metadata names the input
+tar's sha256: a shard re-fetched with other images is captioned again, one whose tar is gone is removed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ import pyarrow.parquet as pq
 
 from sdforge.captions.cache import plan_captions
 from sdforge.captions.captioner import Caption, judge_captions
+from sdforge.captions.store import INPUT_SHA256, SCHEMA
 from sdforge.ingest.shards import read_tar
 from sdforge.io import atomic_file
 
@@ -45,6 +48,7 @@ class CaptionStats:
 
     shards_done: int = 0
     shards_skipped: int = 0
+    shards_removed: int = 0
     images: int = 0
     captioned: int = 0
     cached: int = 0
@@ -71,6 +75,10 @@ class Captioning:
     count_tokens: Callable[[str], int]
     batch_size: int = 16
     max_tokens: int = 77
+
+    @property
+    def prompt_sha256(self) -> str:
+        return hashlib.sha256(self.prompt.encode()).hexdigest()
 
 
 def _decode(data: bytes) -> np.ndarray | None:
@@ -102,8 +110,13 @@ def _caption_new(todo: dict[str, np.ndarray], originals: dict[str, str], run: Ca
     return out
 
 
+Progress = Callable[[int, int, int], None]
+"""``(shards finished, shards to caption, images captioned)`` after each captioned shard."""
+
+
 def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captioning, stats: CaptionStats) -> None:
     """Caption one shard into ``out`` (a parquet), reusing ``earlier`` captions made with the same settings."""
+    tar_sha = sha256_file(tar)
     samples = read_tar(tar)
     keyed, originals, images = [], {}, {}
     for key in sorted(samples):
@@ -129,8 +142,15 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
     rows = []
     for key, sha in keyed:
         rows.append(_row(key, sha, originals[sha], new.get(sha), earlier.get(sha), sha in images, run, stats))
+    table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata({INPUT_SHA256: tar_sha.encode()})
     with atomic_file(out) as fh:
-        pq.write_table(pa.Table.from_pylist(rows), fh)
+        pq.write_table(table, fh)
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256 (hex)."""
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _row(key, sha, original, caption, earlier_row, readable, run: Captioning, stats: CaptionStats) -> dict:
@@ -139,32 +159,73 @@ def _row(key, sha, original, caption, earlier_row, readable, run: Captioning, st
         if rejected:
             stats.rejected[rejected] += 1
     elif readable and earlier_row is not None:
-        text, generated, rejected, tokens = (
-            earlier_row[k] for k in ("synthetic_caption", "generated", "rejected", "tokens")
-        )
+        generated, rejected, tokens = (earlier_row[k] for k in ("generated", "rejected", "tokens"))
+        text = original if rejected else earlier_row["synthetic_caption"]
     else:
         text, generated, rejected, tokens = original, "", UNREADABLE, 0
-    stats.truncated += tokens > run.max_tokens
+    truncated = tokens > run.max_tokens
+    stats.truncated += truncated
     return {"key": key, "image_sha256": sha, "original_caption": original, "synthetic_caption": text,
             "generated": generated, "rejected": rejected, "model": run.model, "revision": run.revision,
-            "settings": run.fingerprint, "tokens": tokens, "truncated": tokens > run.max_tokens}  # fmt: skip
+            "prompt_sha256": run.prompt_sha256, "settings": run.fingerprint, "tokens": tokens,
+            "truncated": truncated}  # fmt: skip
 
 
-def caption_shards(shards_dir: Path, out_dir: Path, run: Captioning) -> CaptionStats:
-    """Caption every ``*.tar`` of ``shards_dir`` into ``out_dir/<shard>.parquet``; shards whose parquet exists with
-    the current settings are skipped (resume). Returns the counts."""
+def is_current(out: Path, tar: Path, fingerprint: str) -> bool:
+    """True if ``out`` holds ``tar``'s captions (same tar bytes) made with the settings ``fingerprint``."""
+    if not out.exists():
+        return False
+    try:
+        meta = pq.read_schema(out).metadata or {}
+        settings = set(pq.read_table(out, columns=["settings"]).column("settings").to_pylist())
+    except (OSError, pa.ArrowException) as err:
+        log.warning("%s: unreadable (%s); captioned again", out, err)
+        return False
+    return settings <= {fingerprint} and meta.get(INPUT_SHA256) == sha256_file(tar).encode()
+
+
+def remove_orphans(out_dir: Path, tars: list[Path]) -> int:
+    """Delete the parquets (and temp files of a killed run) of ``out_dir`` without a tar; how many parquets."""
+    stems = {t.stem for t in tars}
+    for tmp in out_dir.glob(".*.tmp"):
+        tmp.unlink()
+    orphans = [p for p in out_dir.glob("*.parquet") if p.stem not in stems]
+    for path in orphans:
+        log.warning("%s: its shard is gone; removed", path)
+        path.unlink()
+    return len(orphans)
+
+
+def caption_shards(
+    shards_dir: Path, out_dir: Path, run: Captioning, on_progress: Progress | None = None
+) -> CaptionStats:
+    """Caption every ``*.tar`` of ``shards_dir`` into ``out_dir/<shard>.parquet``; shards whose parquet is current
+    (:func:`is_current`) are skipped (resume), parquets without a tar removed. Returns the counts."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    tars = sorted(shards_dir.glob("*.tar"))
     earlier, stats = _earlier_captions(out_dir), CaptionStats()
-    for tar in sorted(shards_dir.glob("*.tar")):
-        out = out_dir / f"{tar.stem}.parquet"
-        if out.exists() and set(pq.read_table(out, columns=["settings"]).column("settings").to_pylist()) == {
-            run.fingerprint
-        }:
-            stats.shards_skipped += 1
-            continue
-        caption_shard(tar, out, earlier, run, stats)
+    stats.shards_removed = remove_orphans(out_dir, tars)
+    todo = [t for t in tars if not is_current(out_dir / f"{t.stem}.parquet", t, run.fingerprint)]
+    stats.shards_skipped = len(tars) - len(todo)
+    for tar in todo:
+        caption_shard(tar, out_dir / f"{tar.stem}.parquet", earlier, run, stats)
         stats.shards_done += 1
-        log.info(
-            "%s: %d image(s) so far, %d captioned, %d cached", tar.name, stats.images, stats.captioned, stats.cached
-        )
+        if on_progress:
+            on_progress(stats.shards_done, len(todo), stats.captioned)
     return stats
+
+
+class EtaLog:
+    """A :data:`Progress` callback that logs ``shards k/n, images captioned, img/s, ETA`` (and passes it on)."""
+
+    def __init__(self, name: str, then: Callable[[dict], None] | None = None):
+        self.name, self.then, self.t0 = name, then, time.perf_counter()
+
+    def __call__(self, done: int, total: int, images: int) -> None:
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (total - done)
+        rate = images / elapsed if elapsed > 0 else 0.0
+        log.info("%s: shard %d/%d (%.0f%%), %d image(s) captioned, %.2f img/s, ETA %.0f s",
+                 self.name, done, total, 100 * done / total, images, rate, eta)  # fmt: skip
+        if self.then:
+            self.then({"progress": done / total, "eta_s": eta, "images_per_second": rate, "captioned": images})

@@ -35,11 +35,12 @@ from sdforge.latents.pipeline import EncodedShard, Options, encode_shards
 
 log = logging.getLogger(__name__)
 
-FORMAT = "sdforge-latents/2"  # 2: one file per (input tar, bucket), bucket and crop columns
+FORMAT = "sdforge-latents/3"  # 2: one file per (input tar, bucket), bucket and crop columns; 3: synthetic captions
 MANIFEST_SCHEMA = pa.schema(
     [
         ("key", pa.string()),
         ("caption", pa.string()),
+        ("synthetic_caption", pa.string()),
         ("source", pa.string()),
         ("shard", pa.int64()),
         ("bucket_width", pa.int32()),
@@ -61,7 +62,7 @@ MANIFEST_SCHEMA = pa.schema(
 )
 """``row`` is the sample's row in its bucket's file; ``width``/``height`` the image as found in the tar,
 resized (aspect kept) to ``resized_*`` and cut to the crop box (pixels of the resized image, SDXL's
-``crop_coords_top_left`` = (crop_top, crop_left))."""
+``crop_coords_top_left`` = (crop_top, crop_left)); ``synthetic_caption`` is null for a sample without one."""
 ROW_FIELDS = ("key", "caption", "width", "height", "original_width", "original_height", "resized", "truncated")
 """Manifest columns the pipeline fills per sample as they are; bucket, resized size and crop box are split
 into columns, and the stage adds source, shard, row."""
@@ -74,6 +75,8 @@ COUNT_KEYS = (
     "resized",
     "captions_empty",
     "captions_truncated",
+    "captions_synthetic",
+    "synthetic_truncated",
 )
 
 
@@ -133,8 +136,18 @@ _PLAN_COLUMNS = (
 )
 
 
-def reusable(tar: TarInput, out_dir: Path, encoder: str, buckets: list[Size]) -> tuple[pa.Table, dict] | None:
-    """The shard's manifest part and metadata if it is complete and current, else None (logged why)."""
+def captions_digest(captions: dict[str, str] | None) -> str:
+    """sha256 of a tar's synthetic captions (key → caption), ``""`` for none: a shard is redone when it changes."""
+    if not captions:
+        return ""
+    return hashlib.sha256(json.dumps(sorted(captions.items()), ensure_ascii=False).encode()).hexdigest()
+
+
+def reusable(
+    tar: TarInput, out_dir: Path, encoder: str, buckets: list[Size], captions: str = ""
+) -> tuple[pa.Table, dict] | None:
+    """The shard's manifest part and metadata if it is complete and current (``captions``: the digest of its
+    synthetic captions, :func:`captions_digest`), else None (logged why)."""
     if not (out_dir / store.part_name(tar.shard)).exists():
         return None
     try:
@@ -148,6 +161,8 @@ def reusable(tar: TarInput, out_dir: Path, encoder: str, buckets: list[Size]) ->
         why = f"its input was {meta.get('input')} of {meta.get('input_size')} bytes"
     elif not _same_input(tar, meta):
         why = f"{tar.name} changed"
+    elif meta.get("captions", "") != captions:
+        why = "its synthetic captions changed (caption_images)"
     elif moved := moved_samples(table, buckets):
         why = f"the bucket set changed: {moved} of its {table.num_rows} samples get another bucket or crop"
     else:
@@ -176,7 +191,7 @@ def clean_stale(out_dir: Path, keep: set[int]) -> None:
 
 
 def write_encoded(
-    out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_factor: float
+    out_dir: Path, enc: EncodedShard, source: str, encoder: str, scaling_factor: float, captions: str = ""
 ) -> tuple[pa.Table, dict[str, str]]:
     """Write one shard's safetensors (one per bucket), then its manifest part; return the part's rows and metadata."""
     rows = enc.rows
@@ -194,6 +209,8 @@ def write_encoded(
         "samples": str(n),
         "counts": json.dumps(counts, sort_keys=True),
     }
+    if captions:
+        meta["captions"] = captions
     if enc.tar.etag:
         meta["input_etag"] = enc.tar.etag
     part = out_dir / store.part_name(enc.tar.shard)
@@ -201,7 +218,8 @@ def write_encoded(
     for old in out_dir.glob(f"shard-{enc.tar.shard:05d}-*.safetensors"):
         old.unlink()
     for bucket, got in enc.buckets.items():
-        store.write_shard_sorted(out_dir / store.shard_name(enc.tar.shard, bucket), got.latents, got.input_ids, meta)
+        path = out_dir / store.shard_name(enc.tar.shard, bucket)
+        store.write_shard_sorted(path, got.latents, got.input_ids, meta, got.synthetic_ids)
     store.write_part(part, table, meta)
     return table, meta
 
@@ -210,6 +228,7 @@ def _manifest_columns(rows: list[dict], source: str, enc: EncodedShard) -> dict[
     """The part's columns from the pipeline's rows (bucket by bucket, as :attr:`EncodedShard.rows` orders them)."""
     n = len(rows)
     columns = {name: [r[name] for r in rows] for name in ROW_FIELDS}
+    columns["synthetic_caption"] = [r["synthetic"] for r in rows]
     columns.update(source=[source] * n, shard=[enc.tar.shard] * n)
     columns["row"] = [i for part in enc.buckets.values() for i in range(len(part.rows))]
     columns["bucket_width"], columns["bucket_height"] = [r["bucket"][0] for r in rows], [r["bucket"][1] for r in rows]
@@ -222,9 +241,11 @@ def _manifest_columns(rows: list[dict], source: str, enc: EncodedShard) -> dict[
 
 def encode_and_write(
     cfg: Encode, source: str, todo: list[TarInput], models_dir: Path, out_dir: Path, device: str, precision: str,
-    encoder: str, stats: Counter, buckets: list[Size],
+    encoder: str, stats: Counter, buckets: list[Size], captions: dict[int, dict[str, str] | None] | None = None,
 ) -> dict:
-    """Run the pipeline over ``todo``, writing each shard as it completes; return its parts."""
+    """Run the pipeline over ``todo``, writing each shard as it completes; return its parts. ``captions``: per
+    shard number, its synthetic captions by key (or None)."""
+    captions = captions or {}
     vae = AutoencoderKL.from_pretrained(models_dir / "vae")
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
     opts = Options(
@@ -241,14 +262,15 @@ def encode_and_write(
     parts, sf = {}, scaling_factor(vae)
 
     def write(enc: EncodedShard) -> None:
-        parts[enc.tar.shard] = write_encoded(out_dir, enc, source, encoder, sf)
+        digest = captions_digest(captions.get(enc.tar.shard))
+        parts[enc.tar.shard] = write_encoded(out_dir, enc, source, encoder, sf, digest)
         log.info("shard %d (%s): %d samples encoded", enc.tar.shard, enc.tar.name, len(enc.rows))
 
     pa.array([""])  # pyarrow imports pandas on its first list conversion (~0.3 s of CPU): not during the encode
     t0 = time.perf_counter()
     pending = None  # one shard is written (fsync included) while the next one is encoded
     with tempfile.TemporaryDirectory(prefix="encode-inputs-") as tmp, ThreadPoolExecutor(1) as writer:
-        for enc in encode_shards(todo, vae, tokenizer, opts, stats, tmp_dir=tmp):
+        for enc in encode_shards(todo, vae, tokenizer, opts, stats, tmp, lambda t: captions.get(t.shard)):
             if pending is not None:
                 pending.result()
             pending = writer.submit(write, enc)

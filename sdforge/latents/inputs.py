@@ -177,6 +177,8 @@ class Decoded:
     bucket: Size | None = None
     resized_to: Size | None = None
     crop: tuple[int, int, int, int] | None = None
+    synthetic: str | None = None
+    """The sample's synthetic caption (caption_images), None when it has none."""
 
 
 def cover_crop(img: np.ndarray, crop_plan: CropPlan) -> np.ndarray:
@@ -221,9 +223,19 @@ def decode_sample(key: str, files: dict[str, bytes], buckets: Sequence[Size], wr
     return out
 
 
-def decode_chunk(chunk: list[tuple[str, dict[str, bytes]]], buckets: Sequence[Size], wrong_size: str) -> list[Decoded]:
-    """:func:`decode_sample` over several samples (one pool job: less per-sample overhead)."""
-    return [decode_sample(key, files, buckets, wrong_size) for key, files in chunk]
+def decode_chunk(
+    chunk: list[tuple[str, dict[str, bytes]]],
+    buckets: Sequence[Size],
+    wrong_size: str,
+    synthetic: dict[str, str] | None = None,
+) -> list[Decoded]:
+    """:func:`decode_sample` over several samples (one pool job: less per-sample overhead); each gets its
+    synthetic caption from ``synthetic`` (by key) when there is one."""
+    out = [decode_sample(key, files, buckets, wrong_size) for key, files in chunk]
+    if synthetic:
+        for sample in out:
+            sample.synthetic = synthetic.get(sample.key)
+    return out
 
 
 def _sizes(data: bytes | None) -> tuple[int | None, int | None]:

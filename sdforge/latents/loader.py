@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from sdforge.captions.mix import sample_ids, synthetic_mask
 from sdforge.io import InputError
 from sdforge.latents.bucket_batches import BatchSplit, plan_epoch, plan_epochs
 from sdforge.latents.store import ShardArrays, open_shard, shard_path
@@ -76,6 +77,14 @@ class LatentIndexDataset:
             _advise_random(arrays.latents)
             self._shards.append(arrays)
         self._row_bytes = [arrays.latents[0].nbytes for arrays in self._shards]
+        with_synthetic = np.asarray([a.synthetic_ids is not None for a in self._shards], dtype=bool)
+        self.has_synthetic: np.ndarray = with_synthetic[self._sid]
+        """Per sample: its shard holds synthetic captions' token ids (a recaptioned source, ``caption_images``)."""
+        bucket_sizes = np.asarray(self.buckets, dtype=np.int64).reshape(-1, 2)[self.sample_bucket]
+        self.sample_ids: np.ndarray = sample_ids(
+            self.sources, self.source_code, self.shard, bucket_sizes[:, 0], bucket_sizes[:, 1], self._row
+        )
+        """Per sample, an id from where its latents live (:func:`sdforge.captions.mix.sample_ids`)."""
         self.latent_shape: tuple[int, ...] = tuple(self.latent_shapes[0])
         """The first bucket's latent shape (the only one for a square-only phase)."""
         log.info(
@@ -115,10 +124,11 @@ class LatentIndexDataset:
     def row(self) -> np.ndarray:
         return self._row
 
-    def gather(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, positions: np.ndarray, synthetic: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents fp32 [B, C, h, w], input_ids int64 [B, 77])`` of the samples at index ``positions``
-        (all of one bucket)."""
+        (all of one bucket); where ``synthetic[i]`` (and the sample has one) its synthetic caption's ids."""
         positions = np.asarray(positions)
+        use = np.zeros(len(positions), bool) if synthetic is None else np.asarray(synthetic, bool)
         sid, row = self._sid[positions], self._row[positions]
         buckets = np.unique(self.sample_bucket[positions])
         if buckets.size > 1:
@@ -135,6 +145,9 @@ class LatentIndexDataset:
             rows = row[group]
             latents[group] = shard.latents[rows]
             input_ids[group] = shard.input_ids[rows]
+            if shard.synthetic_ids is not None and use[group].any():
+                pick = group[use[group]]
+                input_ids[pick] = shard.synthetic_ids[row[pick]]
         return to_float32(latents), torch.from_numpy(input_ids).long()
 
     def prefetch(self, positions: np.ndarray) -> None:
@@ -147,8 +160,9 @@ class LatentIndexDataset:
         for sid, row in zip(self._sid[positions].tolist(), self._row[positions].tolist(), strict=True):
             if sid not in self._ids_fetched:
                 self._ids_fetched.add(sid)
-                ids = self._shards[sid].input_ids
-                _will_need(ids, 0, ids.nbytes)
+                for ids in (self._shards[sid].input_ids, self._shards[sid].synthetic_ids):
+                    if ids is not None:
+                        _will_need(ids, 0, ids.nbytes)
             latents, size = self._shards[sid].latents, self._row_bytes[sid]
             _will_need(latents, row * size, size)
 
@@ -275,11 +289,18 @@ def epochs_summary(
     return lengths, counts
 
 
+def caption_choice(data: LatentIndexDataset, seed: int, epoch: int, p_synthetic: float) -> np.ndarray:
+    """Per sample of the index: it trains with its synthetic caption in ``epoch`` (drawn with ``p_synthetic``
+    per (seed, sample, epoch), :func:`sdforge.captions.mix.synthetic_mask`, and only if it has one)."""
+    return synthetic_mask(seed, epoch, data.sample_ids, p_synthetic) & data.has_synthetic
+
+
 def iter_batches(
-    data: LatentIndexDataset, batches: list[np.ndarray], start_batch: int = 0
+    data: LatentIndexDataset, batches: list[np.ndarray], start_batch: int = 0, synthetic: np.ndarray | None = None
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Yield ``(batch_index, latents fp32, input_ids)`` for ``batches`` (:func:`rank_batches`) from
-    ``start_batch`` to the end.
+    ``start_batch`` to the end; ``synthetic`` (per sample of the index, :func:`caption_choice`) picks the
+    caption each sample trains with.
 
     Batches before ``start_batch`` are never read. While batch ``b`` is gathered, the reads of the
     next :data:`PREFETCH_BATCHES` batches are already queued with the kernel.
@@ -289,5 +310,6 @@ def iter_batches(
     for b in range(start_batch, len(batches)):
         if b + PREFETCH_BATCHES < len(batches):
             data.prefetch(batches[b + PREFETCH_BATCHES])
-        latents, input_ids = data.gather(batches[b])
+        picks = () if synthetic is None else (synthetic[batches[b]],)
+        latents, input_ids = data.gather(batches[b], *picks)
         yield b, latents, input_ids

@@ -47,7 +47,8 @@ _POLL_S = 0.1
 _CHUNK = 8
 """Samples per decode job."""
 _ROW_FIELDS = (
-    "key", "caption", "width", "height", "original_width", "original_height", "resized", "bucket", "resized_to", "crop"
+    "key", "caption", "synthetic", "width", "height", "original_width", "original_height", "resized", "bucket",
+    "resized_to", "crop",
 )
 """A row's fields taken from its :class:`~sdforge.latents.inputs.Decoded` sample (then ``truncated``)."""
 
@@ -69,11 +70,13 @@ class Options:
 
 @dataclass
 class BucketLatents:
-    """One bucket's samples of one input tar: fp16 latents ``[N, C, h, w]``, int32 token ids, rows."""
+    """One bucket's samples of one input tar: fp16 latents ``[N, C, h, w]``, int32 token ids, rows; the synthetic
+    captions' token ids when the tar has synthetic captions."""
 
     latents: torch.Tensor
     input_ids: torch.Tensor
     rows: list[dict]
+    synthetic_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class _Batch:
     images: torch.Tensor
     input_ids: torch.Tensor
     rows: list[dict]
+    synthetic_ids: torch.Tensor | None
 
 
 @dataclass
@@ -147,9 +151,17 @@ def _thread(target: Callable, out: queue.Queue, stop: threading.Event, name: str
 
 
 def encode_shards(
-    tars: list[TarInput], vae, tokenizer, opts: Options, stats: Counter | None = None, tmp_dir: str | None = None
+    tars: list[TarInput],
+    vae,
+    tokenizer,
+    opts: Options,
+    stats: Counter | None = None,
+    tmp_dir: str | None = None,
+    captions: Callable[[TarInput], dict[str, str] | None] | None = None,
 ) -> Iterator[EncodedShard]:
     """Encode ``tars`` in order, one :class:`EncodedShard` per tar; ``stats`` gets seconds spent per stage.
+    ``captions(tar)``: the tar's synthetic captions by key (caption_images), or None; their token ids are stored
+    beside the originals' (a sample without one gets its original's).
 
     ``stats["encode_seconds"]`` is the VAE's busy time on this thread, ``stats["wait_seconds"]`` the
     time it waited for a batch (≈ 0 when decode keeps up).
@@ -157,7 +169,7 @@ def encode_shards(
     stats = Counter() if stats is None else stats
     if not tars:
         return
-    feeder = _BatchFeeder(tars, tokenizer, opts, tmp_dir)
+    feeder = _BatchFeeder(tars, tokenizer, opts, tmp_dir, captions)
     feeder.start()
     try:  # a failing VAE set-up (device, compile) must stop the input threads too
         encoder = _encoder(vae, opts, feeder.device)
@@ -187,6 +199,7 @@ def _encode_batches(
                 torch.cat([b.images for b in batches]).cpu(),
                 torch.cat([b.input_ids for b in batches]),
                 [row for b in batches for row in b.rows],
+                _cat_synthetic(batches),
             )
             for bucket, batches in sorted(done.items())
         }
@@ -203,8 +216,8 @@ class _BatchFeeder:
     holds :class:`_Batch` es and the same markers. A failing thread puts :class:`_Failed` on its output.
     """
 
-    def __init__(self, tars: list[TarInput], tokenizer, opts: Options, tmp_dir: str | None):
-        self.tars, self.opts = tars, opts
+    def __init__(self, tars: list[TarInput], tokenizer, opts: Options, tmp_dir: str | None, captions=None):
+        self.tars, self.opts, self.captions = tars, opts, captions
         self.stop = threading.Event()
         depth = max(2 * opts.batch_size // _CHUNK, 4 * opts.decode_workers)  # decode jobs in flight
         self.decoded: queue.Queue = queue.Queue(maxsize=depth)
@@ -235,23 +248,24 @@ class _BatchFeeder:
         for i, tar in enumerate(self.tars):
             local = self.prefetch.local_path(i)
             counts, digest, chunk = Counter(), hashlib.sha256(), []
+            synthetic = self.captions(tar) if self.captions else None
             with open(local, "rb", buffering=1 << 20) as raw:
                 fh = HashingReader(raw, digest)
                 for sample in iter_tar_groups(fh, counts):
                     chunk.append(sample)
                     if len(chunk) == _CHUNK:
-                        if not self._submit(chunk):
+                        if not self._submit(chunk, synthetic):
                             return
                         chunk = []
                 fh.drain()
             self.prefetch.done(local)
             end = _TarEnd(tar, digest.hexdigest(), counts)
-            if (chunk and not self._submit(chunk)) or not _put(self.decoded, end, self.stop):
+            if (chunk and not self._submit(chunk, synthetic)) or not _put(self.decoded, end, self.stop):
                 return
 
-    def _submit(self, chunk: list) -> bool:
-        """Queue a decode job for ``chunk``; False once stopped."""
-        job = self.pool.submit(decode_chunk, chunk, self.opts.buckets, self.opts.wrong_size)
+    def _submit(self, chunk: list, synthetic: dict[str, str] | None) -> bool:
+        """Queue a decode job for ``chunk`` (``synthetic``: the tar's synthetic captions); False once stopped."""
+        job = self.pool.submit(decode_chunk, chunk, self.opts.buckets, self.opts.wrong_size, synthetic)
         return _put(self.decoded, job, self.stop)
 
     def _batch(self) -> None:
@@ -296,6 +310,11 @@ class _BatchFeeder:
 def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, counts: Counter) -> _Batch:
     """Stack ``samples`` into a batch; add their resized / truncated / empty-caption counts to ``counts``."""
     ids, truncated = tokens([s.caption for s in samples])
+    synthetic_ids = None
+    if any(s.synthetic is not None for s in samples):
+        synthetic_ids, cut = tokens([s.caption if s.synthetic is None else s.synthetic for s in samples])
+        counts["captions_synthetic"] += sum(s.synthetic is not None for s in samples)
+        counts["synthetic_truncated"] += sum(c and s.synthetic is not None for s, c in zip(samples, cut, strict=True))
     counts["resized"] += sum(s.resized for s in samples)
     counts["captions_truncated"] += sum(truncated)
     counts["captions_empty"] += sum(not s.caption.strip() for s in samples)
@@ -305,7 +324,14 @@ def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, co
     rows = [
         {**{f: getattr(s, f) for f in _ROW_FIELDS}, "truncated": t} for s, t in zip(samples, truncated, strict=True)
     ]
-    return _Batch(samples[0].bucket, images, ids, rows)
+    return _Batch(samples[0].bucket, images, ids, rows, synthetic_ids)
+
+
+def _cat_synthetic(batches: list[_Batch]) -> torch.Tensor | None:
+    """A bucket's synthetic token ids over its batches (the originals' for a batch without any), or None."""
+    if all(b.synthetic_ids is None for b in batches):
+        return None
+    return torch.cat([b.input_ids if b.synthetic_ids is None else b.synthetic_ids for b in batches])
 
 
 def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -4,6 +4,8 @@
 
     shard-NNNNN-WxH.safetensors  input tar NNNNN's samples of bucket W×H (pixels): latents fp16
                                  [N, C, H/f, W/f] (posterior mean × scaling factor), input_ids int32 [N, 77]
+                                 and, for a recaptioned source, synthetic_ids int32 [N, 77] (the samples'
+                                 synthetic captions, caption_images; the original where there is none)
     shard-NNNNN.parquet          that tar's manifest rows (every bucket); its parquet metadata equals
                                  each bucket file's ``__metadata__`` (written after them: a shard is
                                  complete when all exist and agree, see :func:`check_shard`)
@@ -78,13 +80,18 @@ def write_shard(path: Path, latents: torch.Tensor, input_ids: torch.Tensor, meta
     atomic_write_bytes(path, _safetensors(latents, input_ids, metadata))
 
 
+SYNTHETIC = "synthetic_ids"
+"""The optional tensor of a recaptioned source's shards: token ids of each sample's synthetic caption."""
+
+
 @dataclass(frozen=True)
 class ShardArrays:
-    """Read-only memory-mapped views of one shard's tensors."""
+    """Read-only memory-mapped views of one shard's tensors; ``synthetic_ids`` only for a recaptioned source."""
 
     latents: np.ndarray
     input_ids: np.ndarray
     metadata: dict[str, str]
+    synthetic_ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -109,8 +116,10 @@ def open_shard(path: Path) -> ShardArrays:
     header, data_start = read_header(path)
     file_size = path.stat().st_size
     arrays = {}
-    for name in ("latents", "input_ids"):
+    for name in ("latents", "input_ids", SYNTHETIC):
         info = header.get(name)
+        if info is None and name == SYNTHETIC:
+            continue
         if info is None or _DTYPES.get(info["dtype"]) is None:
             raise InputError(f"{path}: tensor {name!r} missing or of an unreadable dtype; re-run encode_latents")
         start, end = info["data_offsets"]
@@ -120,13 +129,16 @@ def open_shard(path: Path) -> ShardArrays:
             raise InputError(f"{path}: tensor {name!r} is truncated; delete the shard and re-run encode_latents")
         # a str, not a Path: numpy.memmap resolve()s a Path (~0.4 ms of syscalls per file at 200 files)
         arrays[name] = np.memmap(str(path), dtype=dtype, mode="r", offset=data_start + start, shape=shape)
-    if arrays["latents"].shape[0] != arrays["input_ids"].shape[0]:
-        raise InputError(f"{path}: latents and input_ids disagree on the row count; re-run encode_latents")
-    return ShardArrays(arrays["latents"], arrays["input_ids"], header.get("__metadata__") or {})
+    if any(a.shape[0] != arrays["latents"].shape[0] for a in arrays.values()):
+        raise InputError(f"{path}: latents and token ids disagree on the row count; re-run encode_latents")
+    meta = header.get("__metadata__") or {}
+    return ShardArrays(arrays["latents"], arrays["input_ids"], meta, arrays.get(SYNTHETIC))
 
 
-def _safetensors(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str] | None) -> bytes:
-    """safetensors bytes of a shard: latents as fp16, token ids as int32."""
+def _safetensors(
+    latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str] | None, synthetic_ids=None
+) -> bytes:
+    """safetensors bytes of a shard: latents as fp16, token ids (and synthetic captions' ids) as int32."""
     import torch  # lazy (~2 s): readers of the store (mix_phase, the loader) never write a shard
     from safetensors.torch import save  # lazy: imports torch
 
@@ -134,10 +146,14 @@ def _safetensors(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[
         "latents": latents.to(torch.float16).contiguous(),
         "input_ids": input_ids.to(torch.int32).contiguous(),
     }
+    if synthetic_ids is not None:
+        if synthetic_ids.shape != input_ids.shape:
+            raise ValueError(f"synthetic_ids {tuple(synthetic_ids.shape)} but input_ids {tuple(input_ids.shape)}")
+        tensors[SYNTHETIC] = synthetic_ids.to(torch.int32).contiguous()
     return save(tensors, metadata=metadata)
 
 
-def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str]) -> bytes:
+def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str], synthetic_ids=None) -> bytes:
     """A shard's safetensors bytes with ``__metadata__`` in sorted key order: same input, same bytes.
 
     ``safetensors.torch.save`` writes the metadata map in hash order, which changes from process to
@@ -146,7 +162,7 @@ def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[s
     """
     if latents.shape[0] != input_ids.shape[0]:
         raise ValueError(f"{latents.shape[0]} latents but {input_ids.shape[0]} token rows")
-    raw = _safetensors(latents, input_ids, metadata)
+    raw = _safetensors(latents, input_ids, metadata, synthetic_ids)
     (size,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + size])
     header["__metadata__"] = dict(sorted(metadata.items()))
@@ -155,9 +171,12 @@ def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[s
     return struct.pack("<Q", len(text)) + text + raw[8 + size :]
 
 
-def write_shard_sorted(path: Path, latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str]) -> None:
-    """:func:`write_shard` with deterministic bytes (:func:`shard_bytes`), atomically."""
-    atomic_write_bytes(path, shard_bytes(latents, input_ids, metadata))
+def write_shard_sorted(
+    path: Path, latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str], synthetic_ids=None
+) -> None:
+    """:func:`write_shard` with deterministic bytes (:func:`shard_bytes`), atomically; ``synthetic_ids``: the
+    token ids of the samples' synthetic captions (a recaptioned source)."""
+    atomic_write_bytes(path, shard_bytes(latents, input_ids, metadata, synthetic_ids))
 
 
 # --------------------------------------------------------------------- per-shard manifest parts

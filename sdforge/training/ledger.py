@@ -3,7 +3,8 @@
 Each rank records, per micro-batch, the phase-index positions it trained on and each sample's loss.
 At every checkpoint rank 0 gathers the records since the previous checkpoint and writes them as one
 *segment*, ``<run dir>/ledger/<first step:08d>-<last step:08d>.parquet`` (columns :data:`COLUMNS`:
-step, epoch, rank, micro-step, index position, source, shard, row in the shard, loss), before the
+step, epoch, rank, micro-step, index position, source, shard, row in the shard, loss, and whether the sample
+trained with its synthetic caption — ``phases.<p>.caption_mix``), before the
 checkpoint's manifest, which lists the segments (name, rows, sha256) covering steps 1…its step. The
 ledger of a checkpoint is exactly that list: a resume drops the segments it does not list (steps trained
 after the checkpoint and lost with the process), so the ledger only ever holds steps that are in the
@@ -28,10 +29,10 @@ import pyarrow.parquet as pq
 log = logging.getLogger(__name__)
 
 LEDGER_DIR = "ledger"
-COLUMNS = ("step", "epoch", "rank", "micro", "position", "source", "shard", "row", "loss")
-_RAW = ("step", "epoch", "rank", "micro", "position", "loss")
+COLUMNS = ("step", "epoch", "rank", "micro", "position", "source", "shard", "row", "loss", "synthetic")
+_RAW = ("step", "epoch", "rank", "micro", "position", "loss", "synthetic")
 _DTYPES = {"step": np.int32, "epoch": np.int32, "rank": np.int16, "micro": np.int16, "position": np.int32,
-           "loss": np.float32}
+           "loss": np.float32, "synthetic": np.bool_}
 
 
 class LedgerError(Exception):
@@ -45,12 +46,16 @@ class LedgerBuffer:
         self.rank = rank
         self.parts: list[dict[str, np.ndarray]] = []
 
-    def record(self, step: int, epoch: int, micro: int, positions: np.ndarray, losses) -> None:
+    def record(self, step: int, epoch: int, micro: int, positions: np.ndarray, losses, captions=None) -> None:
+        """One micro-batch: its index positions and per-sample losses; ``captions`` (per index position, the
+        epoch's :func:`sdforge.latents.loader.caption_choice`) says which trained with a synthetic caption."""
         n = len(positions)
+        synthetic = np.zeros(n, bool) if captions is None else np.asarray(captions, bool)[np.asarray(positions)]
         self.parts.append({
             "step": np.full(n, step, np.int32), "epoch": np.full(n, epoch, np.int32),
             "rank": np.full(n, self.rank, np.int16), "micro": np.full(n, micro, np.int16),
             "position": np.asarray(positions, np.int32), "loss": np.asarray(losses, np.float32),
+            "synthetic": synthetic,
         })
 
     def take(self) -> dict[str, np.ndarray]:
@@ -88,6 +93,7 @@ def write_segment(run_dir: Path, records: list[dict[str, np.ndarray]], data, fir
         "source": pa.DictionaryArray.from_arrays(pa.array(data.source_code[pos].astype(np.int32)),
                                                  pa.array(data.sources, pa.string())),
         "shard": data.shard[pos].astype(np.int64), "row": data.row[pos].astype(np.int64), "loss": cols["loss"],
+        "synthetic": cols["synthetic"],
     })
     folder = run_dir / LEDGER_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -167,4 +173,24 @@ def source_summary(ledger: pa.Table, planned_share: dict[str, float]) -> dict:
         out[f"source.{name}.planned_share"] = round(planned_share.get(name, 0.0), 6)
         if n:
             out[f"source.{name}.mean_loss"] = round(float(losses[mask].mean()), 6)
+    return out
+
+
+def caption_summary(ledger: pa.Table, has_synthetic: np.ndarray, p_synthetic: float) -> dict:
+    """Per source: samples trained with their synthetic and with their original caption, the realised synthetic
+    share and the planned one (``p_synthetic`` × the share of its trained samples that have a synthetic caption;
+    ``has_synthetic`` per index position)."""
+    if ledger.num_rows == 0 or "synthetic" not in ledger.column_names:
+        return {}
+    sources = ledger["source"].cast(pa.string()).to_numpy(zero_copy_only=False)
+    used = ledger["synthetic"].fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    available = has_synthetic[ledger["position"].to_numpy()]
+    out: dict[str, float | int] = {"caption.synthetic": int(used.sum()), "caption.original": int((~used).sum())}
+    for name in sorted(set(sources.tolist())):
+        mask = sources == name
+        n = int(mask.sum())
+        out[f"caption.{name}.synthetic"] = int(used[mask].sum())
+        out[f"caption.{name}.original"] = n - int(used[mask].sum())
+        out[f"caption.{name}.synthetic_share"] = round(float(used[mask].mean()), 6)
+        out[f"caption.{name}.planned_synthetic_share"] = round(p_synthetic * float(available[mask].mean()), 6)
     return out

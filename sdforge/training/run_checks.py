@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from sdforge.config import Params
 from sdforge.latents.bucket_batches import plan_epochs
-from sdforge.training.ledger import audit, read_ledger, source_summary
+from sdforge.training.ledger import audit, caption_summary, read_ledger, source_summary
 from sdforge.training.trainer import Trainer
 from sdforge.training.watchdog import fingerprint
 
@@ -40,7 +40,8 @@ def epoch_plans(tr: Trainer):
 
 
 def ledger_metrics(tr: Trainer, run_dir: Path, out_dir: Path) -> dict:
-    """The ledger's audit (exactly-once per epoch), per-source counts, losses and realised vs planned mix;
+    """The ledger's audit (exactly-once per epoch), per-source counts, losses, realised vs planned mix and caption
+    mix (``caption.<source>.synthetic`` …);
     the whole ledger is written to ``out_dir/ledger.parquet`` beside the exported weights."""
     ledger = read_ledger(run_dir, tr.ledger_segments)
     pq.write_table(ledger, out_dir / "ledger.parquet", compression="zstd")
@@ -49,4 +50,5 @@ def ledger_metrics(tr: Trainer, run_dir: Path, out_dir: Path) -> dict:
     figures = audit(ledger, list(epoch_plans(tr)), tr.epoch_lengths)
     if figures["ledger.duplicates"] or figures["ledger.missing"] or figures["ledger.unplanned"]:
         log.error("train@%s: the sample ledger is not exactly-once: %s", tr.phase_name, figures)
-    return {**figures, **source_summary(ledger, planned)}
+    captions = caption_summary(ledger, tr.data.has_synthetic, phase.synthetic_share)
+    return {**figures, **source_summary(ledger, planned), **captions}

@@ -30,7 +30,7 @@ from model.sampler import encode_prompts
 from sdforge.config import SCRATCH, Adapter, Params, Phase, Train
 from sdforge.io import InputError
 from sdforge.latents.bucket_batches import plan_epoch
-from sdforge.latents.loader import LatentIndexDataset, epochs_summary, iter_batches, rank_batches
+from sdforge.latents.loader import LatentIndexDataset, caption_choice, epochs_summary, iter_batches, rank_batches
 from sdforge.training.checkpoints import (
     STATE,
     CheckpointError,
@@ -131,6 +131,10 @@ class Trainer:
         return rank_batches(
             self.data.sample_bucket, epoch, self.cfg.seed, self.dist.rank, self.split, self.cfg.bucket_tail
         )
+
+    def caption_choice(self, epoch: int):
+        """Per index position: the sample trains with its synthetic caption in ``epoch`` (``caption_mix``)."""
+        return caption_choice(self.data, self.cfg.seed, epoch, self.phase.synthetic_share)
 
     def epoch_plan(self, epoch: int):
         """The global batches of ``epoch`` (every rank's): :func:`sdforge.latents.bucket_batches.plan_epoch`."""
@@ -449,9 +453,9 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None, notice: PreemptionNotic
     n_sources = len(tr.data.sources)
     while p.epoch < phase.epochs:
         t_ready = time.perf_counter()
-        micro_batches = tr.epoch_batches(p.epoch)
+        micro_batches, captions = tr.epoch_batches(p.epoch), tr.caption_choice(p.epoch)
         steps_in_epoch = len(micro_batches) // split.accum
-        for b, latents, ids in iter_batches(tr.data, micro_batches, start_batch=p.batch * split.accum):
+        for b, latents, ids in iter_batches(tr.data, micro_batches, p.batch * split.accum, captions):
             k = b % split.accum
             if k == 0:
                 group_t0, data_wait, step_losses, step_positions = t_ready, 0.0, [], []
@@ -461,7 +465,7 @@ def train_loop(tr: Trainer, run_dir: Path, on_step=None, notice: PreemptionNotic
             data_wait += time.perf_counter() - t_ready
             last = k == split.accum - 1
             sample_losses = tr.micro_step(latents, ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last)
-            tr.ledger.record(p.step + 1, p.epoch, k, micro_batches[b], sample_losses.numpy())
+            tr.ledger.record(p.step + 1, p.epoch, k, micro_batches[b], sample_losses.numpy(), captions)
             step_losses.append(sample_losses)
             step_positions.append(micro_batches[b])
             if not last:

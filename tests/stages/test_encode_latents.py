@@ -17,6 +17,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -25,6 +27,7 @@ from transformers import CLIPTokenizer
 
 from model.builders import build_tiny_vae
 from model.latents import images_to_tensor
+from sdforge.captions.store import SCHEMA
 from sdforge.config import Encode
 from sdforge.demo.models import write_demo_tokenizer
 from sdforge.ingest.shards import tar_bytes
@@ -499,3 +502,38 @@ def test_run_resolutions_keeps_one_folder_per_bucket_set(models, tmp_path, monke
     assert m["images_per_second"] < min(m["lo.images_per_second"], m["hi.images_per_second"])
     assert sorted(p.name for p in (tmp_path / "latents" / "laion").iterdir()) == ["hi", "lo"]
     assert store.open_shard(tmp_path / "latents/laion/lo/shard-00001-8x8.safetensors").latents.shape == (7, 4, 4, 4)
+
+
+# -------------------------------------------------------------------------------------- synthetic captions
+
+
+def _write_captions(folder: Path, tar: Path, text: dict[str, str]) -> None:
+    """A caption_images parquet for ``tar``: ``text`` maps keys to synthetic captions (others: none)."""
+    rows = [{name: None for name in SCHEMA.names} | {"key": k, "synthetic_caption": v} for k, v in text.items()]
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), folder / f"{tar.stem}.parquet")
+
+
+def test_synthetic_captions_are_tokenized_beside_the_originals_and_their_change_redoes_only_that_shard(
+    models, tmp_path
+):
+    tars = write_tars(tmp_path / "shards", n_tars=2, per_tar=6, seed=5)
+    captions, out = tmp_path / "captions", tmp_path / "out"
+    keys = [f"00000{i:04d}" for i in range(6)]
+    _write_captions(captions, tars[0], {k: "a black square" for k in keys[:4]})  # 2 samples without one
+    metrics = encode_latents.run(cfg(), "web", tmp_path / "shards", models, out, captions_dir=captions)
+    assert metrics["captions_synthetic"] == 4
+    tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
+    with_ = store.open_shard(out / store.shard_name(0, SQ))
+    without = store.open_shard(out / store.shard_name(1, SQ))
+    assert without.synthetic_ids is None  # no captions for tar 1: originals only
+    manifest = pl.read_parquet(out / store.MANIFEST).filter(pl.col("shard") == 0).sort("row")
+    for row, key, original, synthetic in manifest.select("row", "key", "caption", "synthetic_caption").iter_rows():
+        expected = "a black square" if key in keys[:4] else original
+        assert synthetic == ("a black square" if key in keys[:4] else None)
+        ids = tokenizer(expected, padding="max_length", max_length=77, truncation=True).input_ids
+        assert with_.synthetic_ids[row].tolist() == ids
+        assert with_.input_ids[row].tolist() == tokenizer(original, padding="max_length", max_length=77).input_ids
+    _write_captions(captions, tars[0], {k: "a red circle" for k in keys[:4]})
+    again = encode_latents.run(cfg(), "web", tmp_path / "shards", models, out, captions_dir=captions)
+    assert (again["shards_encoded"], again["shards_reused"]) == (1, 1)

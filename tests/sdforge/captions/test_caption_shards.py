@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import cv2
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -13,26 +12,7 @@ import pytest
 from sdforge.captions.cache import settings_fingerprint
 from sdforge.captions.captioner import generate, load_captioner
 from sdforge.captions.shards import UNREADABLE, Captioning, caption_shards
-from sdforge.ingest.shards import tar_bytes
-from tests.fixtures.captioner import build_tiny_blip
-
-COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
-
-
-def _jpeg(rgb: tuple[int, int, int], salt: int) -> bytes:
-    image = np.full((32, 32, 3), rgb, np.uint8)
-    image[0, 0] = salt % 256  # distinct bytes per image
-    return cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))[1].tobytes()
-
-
-def write_shard(folder, shard: int, n: int, corrupt: int | None = None) -> None:
-    samples = []
-    for i in range(n):
-        colour = list(COLOURS)[i % 3]
-        data = b"not a jpeg" if i == corrupt else _jpeg(COLOURS[colour], shard * 100 + i)
-        samples.append({"__key__": f"{shard:05d}{i:04d}", "jpg": data, "txt": f"IMG_{shard}_{i}.jpg"})
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{shard:05d}.tar").write_bytes(tar_bytes(samples))
+from tests.fixtures.captioner import COLOURS, build_tiny_blip, write_shard
 
 
 class Scripted:
@@ -118,3 +98,18 @@ def test_the_real_captioner_through_the_shards(tmp_path):
     rows = pq.read_table(out / "00000.parquet").to_pylist()
     assert stats.captioned == 4 and len(rows) == 4 and {r["settings"] for r in rows} == {fp}
     assert all(r["synthetic_caption"] == (r["original_caption"] if r["rejected"] else r["generated"]) for r in rows)
+
+
+def test_a_refetched_shard_is_captioned_again_and_a_gone_one_removed(tmp_path):
+    shards, out = tmp_path / "shards", tmp_path / "captions"
+    write_shard(shards, 0, 3)
+    write_shard(shards, 1, 3)
+    caption_shards(shards, out, run_with(Scripted()))
+    write_shard(shards, 0, 4)  # fetch_images wrote shard 0 again: its 3 images and a new one
+    (shards / "00001.tar").unlink()
+    again = Scripted()
+    stats = caption_shards(shards, out, run_with(again))
+    # the shard is redone, but by content only the new image is captioned
+    assert (stats.shards_done, stats.shards_removed, stats.cached, again.asked) == (1, 1, 3, 1)
+    assert pq.read_table(out / "00000.parquet").num_rows == 4
+    assert sorted(p.name for p in out.glob("*.parquet")) == ["00000.parquet"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from sdforge.captions.cache import caption_key, plan_captions, settings_fingerprint
-from sdforge.captions.mix import realised_share, uses_synthetic
+from sdforge.captions.mix import realised_share, sample_ids, synthetic_mask
 from sdforge.captions.quality import EMPTY, PROMPT_ECHO, REPETITION, TOO_LONG, judge
 
 SETTINGS = ("Salesforce/blip-image-captioning-base", "82a37760", "a photo of", {"max_new_tokens": 40, "num_beams": 3})
@@ -53,18 +54,29 @@ def test_degenerate_generations_are_named(caption, tokens, reason):
     assert judge(caption, "a photo of", tokens) == reason
 
 
-def test_the_caption_choice_is_a_function_of_seed_key_and_epoch():
-    keys = [f"{i:06d}" for i in range(4000)]
-    first = [uses_synthetic(0, k, 3, 0.5) for k in keys]
-    assert first == [uses_synthetic(0, k, 3, 0.5) for k in keys]  # resume / any rank: the same choice
-    assert first != [uses_synthetic(0, k, 4, 0.5) for k in keys]  # another epoch: another draw
-    assert first != [uses_synthetic(1, k, 3, 0.5) for k in keys]  # another seed: another draw
-    assert not any(uses_synthetic(0, k, 3, 0.0) for k in keys) and all(uses_synthetic(0, k, 3, 1.0) for k in keys)
+def _ids(n: int = 4000) -> np.ndarray:
+    """Samples of two sources over 4 shards and 2 buckets."""
+    i = np.arange(n)
+    return sample_ids(["laion", "web"], i % 2, i % 4, np.where(i % 3, 32, 24), np.where(i % 3, 32, 40), i // 2)
+
+
+def test_samples_get_distinct_ids():
+    assert len(np.unique(_ids())) == 4000
+
+
+def test_the_caption_choice_is_a_function_of_seed_sample_and_epoch():
+    ids = _ids()
+    first = synthetic_mask(0, 3, ids, 0.5)
+    assert (first == synthetic_mask(0, 3, ids.copy(), 0.5)).all()  # resume / any rank: the same choice
+    assert (first[::-1] == synthetic_mask(0, 3, ids[::-1], 0.5)).all()  # order in the index does not matter
+    assert (first != synthetic_mask(0, 4, ids, 0.5)).any()  # another epoch: another draw
+    assert (first != synthetic_mask(1, 3, ids, 0.5)).any()  # another seed: another draw
+    assert not synthetic_mask(0, 3, ids, 0.0).any() and synthetic_mask(0, 3, ids, 1.0).all()
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
 def test_the_realised_share_is_the_planned_one_within_sampling_error(p):
-    keys = [f"{i:06d}" for i in range(4000)]
+    ids = _ids()
     for epoch in range(3):
-        share = realised_share(7, keys, epoch, p)
-        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / len(keys)), (epoch, share)
+        share = realised_share(7, ids, epoch, p)
+        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / len(ids)), (epoch, share)
