@@ -9,6 +9,7 @@ Writes (each with ``save_pretrained``, safetensors)::
     ${paths.models}/scheduler/      DDPMScheduler (models.noise)
     ${paths.models}/uncond_embedding.safetensors   "uncond": text encoder output for "" [1, 77, D]
                                     (the CFG-dropout condition, computed once here for every phase)
+    ${paths.models}/captioner/      ``models.captioner_build``: the demo's captioner (``recaption.model: build``)
     ${paths.checkpoints}/scratch/unet/       seeded UNet, output projections zeroed
     ${paths.checkpoints}/scratch/unet_ema/   the same weights (EMA starts at the live weights)
     ${paths.checkpoints}/scratch/state.json  {"phase": "scratch", "step": 0}
@@ -40,8 +41,9 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from model.builders import build_unet, count_parameters, noise_scheduler, unet_config, vae_downsample_factor
 from model.sampler import encode_prompts
 from sdforge.architectures import build_random_text_encoder, build_random_vae, write_clip_tokenizer
+from sdforge.captions.models import BUILT_CAPTIONER
 from sdforge.config import SCRATCH, ConfigError, DemoData, Eval, Models, Params
-from sdforge.demo.models import build_demo_components
+from sdforge.demo.models import build_demo_captioner, build_demo_components
 from sdforge.io import stage_cli, write_json
 from sdforge.tracking import log_stage
 
@@ -146,6 +148,7 @@ def run(
     text_encoder.save_pretrained(out / TEXT_ENCODER, safe_serialization=True)
     noise_scheduler(models.noise.model_dump()).save_pretrained(out / SCHEDULER)
     save_uncond_embedding(tokenizer, text_encoder, out / UNCOND_EMBEDDING)
+    metrics.update(build_demo_captioner(models, demo, out / BUILT_CAPTIONER))
 
     unet = build_unet(unet_config(models.unet.model_dump()), models.seed)
     unet.save_pretrained(scratch / UNET, safe_serialization=True)

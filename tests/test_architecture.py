@@ -39,6 +39,11 @@ STAGE_DEPS_ALLOWLIST = {
     # Validation images: sampled from the EMA weights (swapped in and back out) and logged to MLflow only;
     # tests/stages/test_train.py checks that training is bit-identical with and without them.
     "train": {"sdforge.eval.grid", "sdforge.eval.sampling", "sdforge.demo.shapes"},
+    # The demo captioner's module also scores captions (caption_accuracy: bench.demo_captioner) through the
+    # captioning package, and the stage takes the captioner's folder name from it; training the captioner
+    # (what prepare_models writes) uses none of it.
+    "prepare_models": {"sdforge.captions.captioner", "sdforge.captions.cache", "sdforge.captions.models",
+                       "sdforge.captions.quality"},
 }
 
 

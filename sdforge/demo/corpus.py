@@ -35,6 +35,10 @@ ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 LAION_FILE = "laion/part-00000.parquet"
 ARCHIVE_PART = "part-000001"
 CONCEPT_DIR = "concept"
+WEBDUMP_DIR = "webdump"
+WEBDUMP_TRUTH = "truth.json"
+"""``{file-name caption: the caption it should have}`` beside the webdump images: what the recaptioned captions are
+scored against (no pipeline stage reads it)."""
 SMALL_SIZE = 16
 SAMPLERS = ("k_lms", "k_euler", "k_euler_ancestral", "ddim", "plms")
 
@@ -250,6 +254,23 @@ def concept_images(cfg: DemoData, rng: np.random.Generator, folder: Path) -> int
     return concept.images
 
 
+def webdump_images(cfg: DemoData, rng: np.random.Generator, folder: Path) -> int:
+    """``demo.webdump.images`` images of shown combinations (the canvases in turn) as ``NNNNN.png`` captioned only
+    with a camera-style file name (``DSC_01000.JPG``), and :data:`WEBDUMP_TRUTH` with the captions they should have."""
+    specs = SpecDeck(shown_specs(list(cfg.colours), list(cfg.shapes), list(cfg.backgrounds), cfg.held_out), rng)
+    canvases, truth = CanvasCycle(cfg), {}
+    for i in range(cfg.webdump.images):
+        spec = specs.draw()
+        img = render(spec, canvases.next(), cfg.colours[spec.colour], cfg.backgrounds[spec.background], rng,
+                     cfg.half_size)  # fmt: skip
+        atomic_write_bytes(folder / f"{i:05d}.png", encode_image(img, ".png"))
+        name = f"DSC_{1000 + i:05d}.JPG"
+        atomic_write_bytes(folder / f"{i:05d}.txt", name.encode())
+        truth[name] = spec.caption()
+    atomic_write_bytes(folder / WEBDUMP_TRUTH, json.dumps(truth, indent=1).encode())
+    return cfg.webdump.images
+
+
 def build(cfg: DemoData, out_dir: Path) -> dict[str, int]:
     """Write the enabled demo corpus into the (empty) ``out_dir``; return the row counts."""
     rows, counts = laion_rows(cfg, np.random.default_rng([cfg.seed, 0]), out_dir / "http")
@@ -259,4 +280,6 @@ def build(cfg: DemoData, out_dir: Path) -> dict[str, int]:
     counts = {**counts, "archive_images": cfg.archive_images}
     if cfg.concept is not None:
         counts["concept_images"] = concept_images(cfg, np.random.default_rng([cfg.seed, 2]), out_dir / CONCEPT_DIR)
+    if cfg.webdump is not None:
+        counts["webdump_images"] = webdump_images(cfg, np.random.default_rng([cfg.seed, 3]), out_dir / WEBDUMP_DIR)
     return counts

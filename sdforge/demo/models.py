@@ -22,6 +22,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 from model.builders import build_tiny_text_encoder, build_tiny_vae, clip_vocab_and_merges, seeded
 from model.vae_training import latent_scaling_factor, reconstruct, train_vae
 from sdforge.config import DemoData, Eval, Models
+from sdforge.demo.captioner import train_demo_captioner
 from sdforge.demo.shapes import ShapeSpec, probe, render_spec, shown_specs
 
 log = logging.getLogger(__name__)
@@ -156,3 +157,13 @@ def build_demo_components(
     vae, vae_metrics = build_demo_vae(models, demo, pixels)
     metrics.update(vae_metrics)
     return tokenizer, text_encoder, vae
+
+
+def build_demo_captioner(models: Models, demo: DemoData, out: Path) -> dict[str, Any]:
+    """With ``models.captioner_build``: train the demo captioner into ``out`` (:func:`train_demo_captioner`);
+    its figures as ``captioner_<name>`` metrics. Without it: nothing, no metrics."""
+    build = models.captioner_build
+    if build is None:
+        return {}
+    figures = train_demo_captioner(out, demo, seed=models.seed, **build.model_dump())
+    return {f"captioner_{k}": v for k, v in figures.items()}
