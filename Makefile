@@ -1,6 +1,7 @@
 # sdforge — every entry point. A fresh machine needs only Python 3.11 (or 3.12) and pip.
 #
 #   make demo         build the venv if needed, run the whole DVC pipeline, print where the results are
+#   make demo-recaption  the demo + a source captioned with file names, recaptioned (workspace .demo-recaption/)
 #   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
 #   make stack-up-s3  the same + MLflow server (artifacts on S3) + moto's S3 server on loopback (local test)
@@ -42,7 +43,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo demo-recaption preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -77,6 +78,11 @@ demo: venv
 	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	$(PY) -m tools.results
+
+# The demo plus a source captioned with file names, recaptioned (docs/CAPTIONS.md); workspace .demo-recaption/.
+# DEMO_RECAPTION_ARGS: e.g. --all (the whole DAG, phase 6 training on the captions)
+demo-recaption: venv
+	$(PY) -m tools.demo_recaption $(DEMO_RECAPTION_ARGS)
 
 # PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
 preflight: venv

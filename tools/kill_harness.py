@@ -50,12 +50,13 @@ from tools.kill_checks import (
     stage_type,
     summarize,
 )
-from tools.tiny_demo import free_port, shrink
+from tools.tiny_demo import free_port, shrink, with_recaption
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_TARGETS = (
     "fetch_images",
     "prepare_models",
+    "caption_images",
     "encode_latents",
     "train",
     "eval_grid",
@@ -80,10 +81,12 @@ DEFAULT_ROTATION = (
 )
 
 
-def make_project(dest: Path, port: int, remote: Path | None = None) -> Path:
-    """A ``git clone`` of HEAD at ``dest`` with the tiny params and (optionally) a local DVC remote."""
+def make_project(dest: Path, port: int, remote: Path | None = None, recaption: bool = False) -> Path:
+    """A ``git clone`` of HEAD at ``dest`` with the tiny params (``recaption``: plus a recaptioned source,
+    :func:`tools.tiny_demo.with_recaption`) and (optionally) a local DVC remote."""
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(dest)], check=True)
     params = shrink(yaml.safe_load((dest / "params.yaml").read_text()), port)
+    params = with_recaption(params) if recaption else params
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if remote is not None:
         _dvc(dest, "remote", "add", "--local", "-d", "harness", str(remote))
@@ -120,8 +123,10 @@ def _dvc_status_problems(root: Path) -> list[str]:
 
 
 # -- the harness ---------------------------------------------------------------------------------
-def reference(workdir: Path, port: int, log) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
-    root = make_project(workdir / "reference", port, remote=workdir / "reference-remote")
+def reference(
+    workdir: Path, port: int, log, recaption: bool = False
+) -> tuple[dict[str, float], dict[str, str], dict[str, str]]:
+    root = make_project(workdir / "reference", port, remote=workdir / "reference-remote", recaption=recaption)
     att = run_killable(root, ["repro"], None, random.Random(0), {}, log)
     if att.rc != 0:
         raise RuntimeError("reference dvc repro failed:\n" + "\n".join(att.lines[-60:]))
@@ -155,11 +160,13 @@ def run_episode(
     ref_hashes: dict[str, str],
     ref_outs: dict[str, str],
     log,
+    recaption: bool = False,
 ) -> Episode:
     """Run ``dvc repro`` in a fresh clone, killing it at ``targets`` (in order) until the DAG completes, then the
     ``push`` targets; then check the project against the reference. Spent targets are popped from ``targets``."""
     ep = Episode()
-    root = make_project(workdir / f"episode{index}", port, remote=workdir / f"episode{index}-remote")
+    remote = workdir / f"episode{index}-remote"
+    root = make_project(workdir / f"episode{index}", port, remote=remote, recaption=recaption)
     completed: set[str] = set()
     done = False
     while not done:
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="keep the projects here (default: a temp dir, deleted)")
     ap.add_argument("--max-episodes", type=int, default=10)
     ap.add_argument("-v", "--verbose", action="store_true", help="echo dvc's output")
+    ap.add_argument("--recaption", action="store_true", help="add a recaptioned source (caption_images is a target)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     log = print if args.verbose else (lambda line: print(line) if line.startswith(("###", "Running stage")) else None)
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"### reference run in {workdir / 'reference'}", flush=True)
         port = free_port()  # one port for all projects: the demo's URLs, hence its metadata, contain it
-        durations, ref_hashes, ref_outs = reference(workdir, port, log)
+        durations, ref_hashes, ref_outs = reference(workdir, port, log, args.recaption)
         print(f"### reference stage durations (s): {json.dumps(durations)}", flush=True)
         order = list(durations)
         targets = collections.deque(args.targets) if args.targets else plan(args.kills)
@@ -267,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         while targets and len(episodes) < args.max_episodes:
             block = order_targets(targets, order)
             before = len(block)
-            ep = run_episode(len(episodes), block, workdir, port, rng, durations, ref_hashes, ref_outs, log)
+            ep = run_episode(
+                len(episodes), block, workdir, port, rng, durations, ref_hashes, ref_outs, log, args.recaption
+            )
             episodes.append(ep)
             targets = block
             print(_episode_line(len(episodes) - 1, ep), flush=True)

@@ -4,6 +4,13 @@ the kill harness."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECAPTION_OVERLAY = Path(__file__).resolve().parents[1] / "configs" / "demo-recaption" / "overlay.yaml"
+"""What ``make demo-recaption`` merges onto the demo params (docs/CAPTIONS.md)."""
 
 
 def free_port() -> int:
@@ -34,3 +41,27 @@ def shrink(params: dict, port: int) -> dict:
         prompts = prompts[:4]
     params["eval"].update(prompts=prompts, steps=4, batch_size=4, columns=2)
     return params
+
+
+def with_recaption(params: dict) -> dict:
+    """``params`` (shrunk) plus ``make demo-recaption``'s overlay, small: a 48-image ``webdump`` source captioned
+    with file names, recaptioned by a 40-step demo captioner (it learns little: the harness checks that nothing is
+    lost or redone, not caption quality), and mixed into the first phase at half synthetic captions (the kill
+    harness's ``--recaption``)."""
+    overlay = yaml.safe_load(RECAPTION_OVERLAY.read_text())
+    overlay["demo"]["webdump"]["images"] = 48
+    overlay["models"]["captioner_build"]["steps"] = 40
+    overlay.pop("phases")
+    params = merged(params, overlay)
+    first = next(iter(params["phases"]))
+    params["phases"][first].update(mix={"laion": 0.5, "webdump": 0.5}, caption_mix={"original": 0.5, "synthetic": 0.5})
+    return params
+
+
+def merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overlay`` merged in: mappings key by key (recursively), anything else replaced."""
+    out = dict(base)
+    for key, value in overlay.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out

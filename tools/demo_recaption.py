@@ -1,0 +1,108 @@
+"""``make demo-recaption``: the embedded demo plus a source captioned with file names, recaptioned by the demo's
+captioner — in its own workspace, so ``make demo`` keeps its DAG and time.
+
+The workspace (``--out``, default ``.demo-recaption/``) gets the DAG's code and ``params.yaml`` with
+``configs/demo-recaption/overlay.yaml`` merged on top; ``dvc repro`` runs there up to ``--target`` (default
+``encode_latents@webdump``: the corpus, the models with the captioner, the captions, their token ids;
+``--all``: the whole DAG, phase 6 training with half of webdump's samples on synthetic captions). Then it scores
+the synthetic captions against the captions the images should have (the corpus's ``truth.json``): how often
+their colour, shape and background words are right. Last line: ``RESULT name=demo_recaption ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import yaml
+
+from sdforge.demo.corpus import WEBDUMP_DIR, WEBDUMP_TRUTH
+from sdforge.demo.shapes import parse_caption
+from tools.preflight import COPIED, stage_env
+from tools.tiny_demo import RECAPTION_OVERLAY, merged
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "webdump"
+
+
+def make_workspace(out: Path) -> dict[str, Any]:
+    """``out`` with the DAG's code, the merged params and a DVC repo without git (kept if it exists: a rerun
+    resumes where the last one stopped); returns the params."""
+    params = merged(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(RECAPTION_OVERLAY.read_text()))
+    out.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src, dst = REPO / name, out / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)  # the code is the repo's, never a rerun's leftover
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.is_file():
+            dst.write_bytes(src.read_bytes())
+    (out / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    if not (out / ".dvc").is_dir():
+        subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=out, check=True, env=stage_env())
+    return params
+
+
+def score(root: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """The synthetic captions of ``root``'s webdump source against the truth: share of right colour, shape and
+    background words, how many were kept as file names (rejected), and a few examples."""
+    truth = json.loads((root / params["paths"]["demo_source"] / WEBDUMP_DIR / WEBDUMP_TRUTH).read_text())
+    folder = root / params["paths"]["captions"] / SOURCE
+    rows = [r for path in sorted(folder.glob("*.parquet")) for r in pq.read_table(path).to_pylist()]
+    right = {"colour": 0, "shape": 0, "background": 0}
+    for row in rows:
+        want = parse_caption(truth[row["original_caption"]])
+        got = _parse(row["synthetic_caption"])
+        for field in right:
+            right[field] += got is not None and getattr(got, field) == getattr(want, field)
+    n = max(len(rows), 1)
+    return {
+        "images": len(rows),
+        **{f"{field}_right": round(count / n, 4) for field, count in right.items()},
+        "kept_original": sum(1 for r in rows if r["rejected"]),
+        "examples": [(r["original_caption"], r["synthetic_caption"]) for r in rows[:5]],
+    }
+
+
+def _parse(text: str):
+    try:
+        return parse_caption(text)
+    except (ValueError, KeyError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m tools.demo_recaption [--out DIR] [--target STAGE | --all]``."""
+    parser = argparse.ArgumentParser(prog="python -m tools.demo_recaption", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=".demo-recaption", help="workspace (kept between runs)")
+    parser.add_argument("--target", default=f"encode_latents@{SOURCE}", help="the stage dvc repro runs up to")
+    parser.add_argument("--all", action="store_true", help="the whole DAG (phase 6 trains on the captions)")
+    args = parser.parse_args(argv)
+    root = Path(args.out).resolve()
+    params = make_workspace(root)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "dvc", "repro", *([] if args.all else [args.target])]
+    rc = subprocess.run(cmd, cwd=root, env=stage_env()).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        print(f"dvc repro failed ({rc}) after {wall:.0f} s; the stage logs above say why", file=sys.stderr)
+        return rc
+    got = score(root, params)
+    for original, synthetic in got.pop("examples"):
+        print(f"  {original:>16} → {synthetic}")
+    captions = json.loads((root / params["paths"]["metrics"] / "caption_images" / f"{SOURCE}.json").read_text())
+    print(f"captions: {captions['images']} images, {captions['synthetic']} synthetic, MLflow: make mlflow-ui in {root}")
+    figures = " ".join(f"{k}={v}" for k, v in got.items())
+    print(f"RESULT name=demo_recaption wall_s={wall:.0f} {figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
