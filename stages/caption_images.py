@@ -59,17 +59,19 @@ def captioning(rec: Recaption, models_dir: Path) -> Captioning:
     )
 
 
-def run(rec: Recaption | None, shards_dir: Path, models_dir: Path, out_dir: Path, on_progress=None) -> dict:
+def run(rec: Recaption | None, shards_dir: Path | str, models_dir: Path, out_dir: Path, on_progress=None) -> dict:
     """Caption ``shards_dir``'s tars into ``out_dir`` (or, without ``rec``, leave it without captions); metrics."""
     t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if rec is None:  # the shards are not read: they may live on S3 (encode_latents reads s3:// shards)
+        removed = remove_orphans(out_dir, [])
+        write_json(out_dir / SETTINGS_FILE, {"recaption": None})
+        return {"enabled": False, "shards_removed": removed}
+    if str(shards_dir).startswith("s3:/"):
+        raise InputError(f"{shards_dir}: caption_images reads local shards; set paths.shards to a local folder")
     tars = sorted(Path(shards_dir).glob("*.tar"))
     if not tars:
         raise InputError(f"{shards_dir}: no .tar shards found (did fetch_images run?)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if rec is None:
-        removed = remove_orphans(out_dir, [])
-        write_json(out_dir / SETTINGS_FILE, {"recaption": None})
-        return {"enabled": False, "shards": len(tars), "shards_removed": removed}
     run_ = captioning(rec, models_dir)
     stats = caption_shards(Path(shards_dir), out_dir, run_, on_progress)
     if stats.stale:
@@ -116,9 +118,10 @@ def run_stage(params: Params, item: str) -> dict:
         def progress(figures: dict) -> None:
             mlflow.log_metrics({f"progress.{k}": float(v) for k, v in figures.items()}, step=figures["captioned"])
 
-        metrics = run(rec, Path(paths.shards) / item, Path(paths.models), out_dir, EtaLog(item, progress))
+        shards = f"{paths.shards.rstrip('/')}/{item}" if paths.shards.startswith("s3://") else Path(paths.shards) / item
+        metrics = run(rec, shards, Path(paths.models), out_dir, EtaLog(item, progress))
         metrics = {k: v for k, v in metrics.items() if v is not None}
-        _log_outputs(mlflow, item, metrics, out_dir, Path(paths.shards) / item)
+        _log_outputs(mlflow, item, metrics, out_dir, Path(shards))
     return metrics
 
 
