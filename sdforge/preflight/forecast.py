@@ -18,6 +18,8 @@ How each stage type is projected (the rates are per image; "this device" uses th
 * ``eval_grid``: UNet evaluations (prompts × steps × 2 for classifier-free guidance) per second;
   the pod rate is assumed to be 3 × the training rate per GPU (a sampling step is a forward only:
   ~1/3 of a training step's FLOPs) — an assumption, stated in the table.
+* ``caption_images``: the images of recaptioned sources / the measured captioning rate (a source without
+  ``recaption`` is a no-op: "fixed"); no pod rate is assumed.
 * the other stages (metadata, filter, mix, prepare_models) do not scale with the sample: their measured
   time is reported, not projected ("fixed").
 
@@ -189,12 +191,28 @@ def _row(kind: str, runs: list[StageRun], full: dict, preflight: dict, pod: Pod,
     elif kind == "train":
         work = full_train_samples(full)
         _project(row, _train_rate(runs), "img/s", work, pod.train_img_s * pod.gpus, "")
+    elif kind == "caption_images":
+        _caption_row(row, runs, full)
     elif kind == "eval_grid":
         calls = full_eval_unet_calls({"eval": preflight.get("eval", {}), "phases": {"one": {}}}) * len(runs)
         rate = _rate(calls, row.wall_s)
         _project(row, rate, "UNet calls/s", full_eval_unet_calls(full), 3 * pod.train_img_s * pod.gpus,
                  "pod rate assumed 3x training's")
     return row
+
+
+def _caption_row(row: Row, runs: list[StageRun], full: dict) -> None:
+    """``caption_images``: the full run's images of recaptioned sources at the measured captioning rate; no pod
+    rate is assumed (none was measured on a GPU)."""
+    recaptioned = {n for n, s in full.get("sources", {}).items() if s.get("recaption")}
+    enabled = [r for r in runs if r.metrics.get("enabled")]
+    if not recaptioned or not enabled:
+        row.note = "fixed: no source has recaption"
+        return
+    seconds = sum(float(r.metrics.get("seconds", 0)) for r in enabled)
+    rate = _rate(sum(float(r.metrics.get("run.captioned", 0)) for r in enabled), seconds)
+    work = sum(n for name, n in full_images(full).items() if name in recaptioned)
+    _project(row, rate, "img/s", work, None, "pod rate not measured: hours at this device's rate")
 
 
 def _project(row: Row, rate: float | None, unit: str, work: float, pod_rate: float | None, note: str) -> None:

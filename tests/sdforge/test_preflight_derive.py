@@ -11,7 +11,15 @@ import yaml
 from sdforge.config import load_params
 from sdforge.latents.mix import split_counts
 from sdforge.preflight.derive import LOOPBACK, SAMPLES_DIR, Shrink, derive_params, first_prompts, samples_needed
-from sdforge.preflight.forecast import Pod, StageRun, forecast, full_optimizer_steps, full_train_samples, table
+from sdforge.preflight.forecast import (
+    Pod,
+    StageRun,
+    forecast,
+    full_images,
+    full_optimizer_steps,
+    full_train_samples,
+    table,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FULL = yaml.safe_load((REPO / "configs/full/params.yaml").read_text())
@@ -111,3 +119,15 @@ def test_forecast_projects_from_the_measured_rates():
     assert totals["pod_cost"] == pytest.approx(round(totals["pod_hours"] * 2 * 2.0, 0), abs=1)
     text = table(rows, totals, "cpu")
     assert text.count("\n| ") == 4 and "assumed figures" in text
+
+
+def test_captioning_is_projected_only_for_recaptioned_sources():
+    off = [StageRun("caption_images@laion", 3.0, 1024**3, {"enabled": False, "shards_removed": 0})]
+    rows, _ = forecast(off, FULL, derived(), Pod(), cpus=2)
+    assert rows[0].note.startswith("fixed") and rows[0].device_hours is None
+    full = {**FULL, "sources": {**FULL["sources"], "laion": {**FULL["sources"]["laion"], "recaption": {"model": "m"}}}}
+    on = [StageRun("caption_images@laion", 30.0, 1024**3, {"enabled": True, "run.captioned": 40, "seconds": 20.0})]
+    (row,), _ = forecast(on, full, derived(), Pod(), cpus=2)
+    laion = full_images(full)["laion"]
+    assert row.rate == pytest.approx(2.0) and row.full_work == laion
+    assert row.device_hours == pytest.approx(round(laion / 2.0 / 3600, 2)) == row.pod_hours
