@@ -1,6 +1,6 @@
 """train stage with ``caption_mix``: the realised mix of original and synthetic captions is the planned one within
-sampling error, the ledger records each sample's choice, the synthetic ids are what trains, and a SIGKILLed run
-resumes to bit-identical weights."""
+sampling error, the ledger records each sample's choice, the synthetic ids are what trains, a SIGKILLed run
+resumes to bit-identical weights, and two ranks choose the same captions as one process."""
 
 from __future__ import annotations
 
@@ -12,19 +12,24 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from sdforge.config import load_params
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
-from tests.fixtures.training import SAMPLES, build_workspace, train, weights
+from tests.fixtures.training import DDP_MAX_ABS_DIFF, SAMPLES, build_workspace, train, weights
 
 SHARE = 0.5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    roots = {name: tmp_path_factory.mktemp(name) for name in ("straight", "killed", "originals")}
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("straight", "killed", "originals", "two_ranks")}
     files = {name: build_workspace(root, SHARE if name != "originals" else 0.0) for name, root in roots.items()}
-    for name in ("straight", "originals"):
+    data = yaml.safe_load(files["two_ranks"].read_text())
+    data["train"]["nproc_per_node"] = 2
+    data["phases"]["phase1"]["batch_size"] = 4  # 4 × accumulation 2 × 2 ranks: the same global batch 16
+    files["two_ranks"].write_text(yaml.safe_dump(data))
+    for name in ("straight", "originals", "two_ranks"):
         done = train(files[name], "phase1")
         assert done.returncode == 0, done.stderr[-3000:]
     assert train(files["killed"], "phase1", kill_at=4).returncode == -9
@@ -65,6 +70,16 @@ def test_a_killed_run_with_a_caption_mix_resumes_bit_identical(runs):
         a, b = weights(runs["straight"], "phase1", sub), weights(runs["killed"], "phase1", sub)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume"
     assert _metrics(runs["killed"])["caption.laion.synthetic"] == _metrics(runs["straight"])["caption.laion.synthetic"]
+
+
+def test_two_ranks_choose_the_same_captions_and_match_one_process(runs):
+    one, two = _metrics(runs["straight"]), _metrics(runs["two_ranks"])
+    assert {k: v for k, v in one.items() if k.startswith("caption.")} == {
+        k: v for k, v in two.items() if k.startswith("caption.")
+    }
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(runs["straight"], "phase1", sub), weights(runs["two_ranks"], "phase1", sub)
+        assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a) <= DDP_MAX_ABS_DIFF
 
 
 def test_the_synthetic_ids_are_what_trains(runs):
