@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 BUILD = "build"
 BUILT_CAPTIONER = "captioner"
 """The demo captioner's folder under ``paths.models``."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def folder_digest(folder: Path) -> str:
