@@ -128,10 +128,11 @@ class _KillTimer:
         return round(time.monotonic() - self.stage_start, 2)
 
     def stage_started(self, stage: str) -> None:
-        """Restart the stage clock; if ``stage`` is of the target type, pick a kill time inside it."""
+        """Restart the stage clock; if ``stage`` is of the target type (or is the target, ``type@item``), pick a
+        kill time inside it."""
         self.stage_start = time.monotonic()
         self.kill_at = None
-        if self.target not in SPECIAL_TARGETS and stage_type(stage) == self.target:
+        if self.target not in SPECIAL_TARGETS and self.target in (stage, stage_type(stage)):
             self.kill_at = self.stage_start + self.rng.uniform(0.05, 0.9) * self.durations.get(stage, 2.0)
 
 

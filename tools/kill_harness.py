@@ -232,7 +232,14 @@ def order_targets(targets: collections.deque, order: list[str]) -> collections.d
     rank = {t: i for i, t in enumerate(dict.fromkeys(stage_type(s) for s in order))}
     rank["checkpoint"] = rank.get("train", 0) + 0.5
     rank["push"] = len(rank) + 1
-    return collections.deque(sorted(targets, key=lambda t: rank.get(t, 0)))
+    return collections.deque(sorted(targets, key=lambda t: rank.get(stage_type(t), 0)))
+
+
+def kill_target(text: str) -> str:
+    """A ``--targets`` entry: a stage type, ``checkpoint``/``push``, or one stage ``type@item``."""
+    if text in STAGE_TARGETS + SPECIAL_TARGETS or (stage_type(text) in STAGE_TARGETS and "@" in text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: not one of {STAGE_TARGETS + SPECIAL_TARGETS} (or <type>@<item>)")
 
 
 def _episode_line(number: int, ep: Episode) -> str:
@@ -251,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--targets",
         nargs="*",
-        help=f"kill points (default: a rotation of {DEFAULT_ROTATION})",
-        choices=STAGE_TARGETS + SPECIAL_TARGETS,
+        help=f"kill points: stage types, checkpoint, push, or one stage type@item (default: a rotation of "
+        f"{DEFAULT_ROTATION})",
+        type=kill_target,
     )
     ap.add_argument("--workdir", type=Path, help="keep the projects here (default: a temp dir, deleted)")
     ap.add_argument("--max-episodes", type=int, default=10)

@@ -6,6 +6,8 @@ stage); the slow one runs the harness itself on the real (shrunken) DAG with a f
 
 from __future__ import annotations
 
+import argparse
+import collections
 import random
 import subprocess
 import sys
@@ -118,3 +120,12 @@ def test_harness_on_the_shrunken_dag(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert last.startswith("RESULT kills=4 ") and "corrupt=0 reruns=0" in last and "hash_equal=true" in last
+
+
+def test_a_target_can_name_one_stage_and_keeps_its_place_in_dag_order():
+    assert kh.kill_target("caption_images@webdump") == "caption_images@webdump"
+    with pytest.raises(argparse.ArgumentTypeError):
+        kh.kill_target("nonsense@webdump")
+    order = ["make_demo_data", "prepare_models", "caption_images@laion", "caption_images@webdump", "train@phase1"]
+    got = kh.order_targets(collections.deque(["train", "caption_images@webdump", "prepare_models"]), order)
+    assert list(got) == ["prepare_models", "caption_images@webdump", "train"]
