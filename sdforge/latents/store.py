@@ -154,18 +154,24 @@ def _safetensors(
 
 
 def shard_bytes(latents: torch.Tensor, input_ids: torch.Tensor, metadata: dict[str, str], synthetic_ids=None) -> bytes:
-    """A shard's safetensors bytes with ``__metadata__`` in sorted key order: same input, same bytes.
+    """A shard's safetensors bytes with ``__metadata__`` in sorted key order: same input, same bytes
+    (:func:`sorted_header`)."""
+    if latents.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"{latents.shape[0]} latents but {input_ids.shape[0]} token rows")
+    return sorted_header(_safetensors(latents, input_ids, metadata, synthetic_ids))
+
+
+def sorted_header(raw: bytes) -> bytes:
+    """safetensors bytes with the ``__metadata__`` map in sorted key order.
 
     ``safetensors.torch.save`` writes the metadata map in hash order, which changes from process to
     process (DVC would see a new output each run); the header is re-serialised here, the tensor
     data (offsets are relative to the end of the header) is kept as is.
     """
-    if latents.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"{latents.shape[0]} latents but {input_ids.shape[0]} token rows")
-    raw = _safetensors(latents, input_ids, metadata, synthetic_ids)
     (size,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + size])
-    header["__metadata__"] = dict(sorted(metadata.items()))
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text + raw[8 + size :]

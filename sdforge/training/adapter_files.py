@@ -19,6 +19,8 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
+from sdforge.io import atomic_write_bytes
+from sdforge.latents.store import sorted_header
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,9 @@ def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
     StableDiffusionLoraLoaderMixin.save_lora_weights(
         folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
     )
-    return folder / LORA_FILE
+    path = folder / LORA_FILE  # its metadata map comes in hash order: same weights, other bytes each process
+    atomic_write_bytes(path, sorted_header(path.read_bytes()))
+    return path
 
 
 def write_plain_unet(unet: torch.nn.Module, folder: Path, merge: bool) -> None:
