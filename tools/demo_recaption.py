@@ -23,6 +23,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import yaml
 
+from sdforge.config import parse_params
+from sdforge.demo.captioner import score_captions
 from sdforge.demo.corpus import WEBDUMP_DIR, WEBDUMP_TRUTH
 from sdforge.demo.shapes import parse_caption
 from tools.preflight import COPIED, stage_env
@@ -51,31 +53,19 @@ def make_workspace(out: Path) -> dict[str, Any]:
 
 
 def score(root: Path, params: dict[str, Any]) -> dict[str, Any]:
-    """The synthetic captions of ``root``'s webdump source against the truth: share of right colour, shape and
-    background words, how many were kept as file names (rejected), and a few examples."""
+    """The synthetic captions of ``root``'s webdump source against the truth (:func:`score_captions`): share of
+    right colour, shape and background words, how many were kept as file names (rejected), and a few examples."""
     truth = json.loads((root / params["paths"]["demo_source"] / WEBDUMP_DIR / WEBDUMP_TRUTH).read_text())
     folder = root / params["paths"]["captions"] / SOURCE
     rows = [r for path in sorted(folder.glob("*.parquet")) for r in pq.read_table(path).to_pylist()]
-    right = {"colour": 0, "shape": 0, "background": 0}
-    for row in rows:
-        want = parse_caption(truth[row["original_caption"]])
-        got = _parse(row["synthetic_caption"])
-        for field in right:
-            right[field] += got is not None and getattr(got, field) == getattr(want, field)
-    n = max(len(rows), 1)
+    specs = [parse_caption(truth[r["original_caption"]]) for r in rows]
+    got = score_captions(parse_params(params).demo, specs, [r["synthetic_caption"] for r in rows])
     return {
         "images": len(rows),
-        **{f"{field}_right": round(count / n, 4) for field, count in right.items()},
+        **{f"{field}_right": round(got[f"{field}_accuracy"] or 0.0, 4) for field in ("colour", "shape", "background")},
         "kept_original": sum(1 for r in rows if r["rejected"]),
         "examples": [(r["original_caption"], r["synthetic_caption"]) for r in rows[:5]],
     }
-
-
-def _parse(text: str):
-    try:
-        return parse_caption(text)
-    except (ValueError, KeyError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,7 +103,8 @@ def fetched_render(
     INTER_AREA) and JPEG-encoded at the corpus' quality; RGB uint8."""
     colour = colour_rgb if colour_rgb is not None else demo.palette[spec.colour]
     img = render(spec, canvas, colour, demo.backgrounds[spec.background], rng, demo.half_size)
-    # sdforge.ingest.image_convert.resize's keep_ratio, not imported: prepare_models' deps stay sdforge/demo
+    # sdforge.ingest.image_convert.resize's keep_ratio, not imported: importing it imports every source kind
+    # (sdforge.ingest.sources), all of which would become prepare_models deps; a test checks the bytes agree
     scale = side / min(canvas)
     size = max(1, round(canvas[0] * scale)), max(1, round(canvas[1] * scale))
     if size != tuple(canvas):
@@ -266,7 +267,8 @@ def eval_renders(demo: DemoData, n: int, seed: int, side: int = FETCH_SIDE) -> t
     return render_batch(demo, every, CanvasCycle(demo), rng, n, side)
 
 
-def _parsed(text: str) -> ShapeSpec | None:
+def parsed(text: str) -> ShapeSpec | None:
+    """``text`` as a demo caption's spec, or None when it is not of the demo form."""
     try:
         return parse_caption(text)
     except ValueError:
@@ -276,7 +278,7 @@ def _parsed(text: str) -> ShapeSpec | None:
 def score_captions(demo: DemoData, specs: list[ShapeSpec], generated: list[str]) -> dict:
     """Colour / shape / background accuracy of ``generated`` against ``specs``, the shown and the held-out
     combinations apart; a caption that is not of the demo form (:func:`parse_caption`) counts wrong throughout."""
-    reads = [_parsed(t) for t in generated]
+    reads = [parsed(t) for t in generated]
     hidden = [demo.is_held_out(s.colour, s.shape, s.background) for s in specs]
 
     def accuracy(field: str, held_out: bool) -> float | None:
