@@ -123,7 +123,8 @@ def address_kind(ip: IPAddress) -> str | None:
     v4 = embedded_ipv4(ip)
     if v4 is not None and (ip.ipv4_mapped is not None or any(ip in net for net in _NAT64)):
         return _kind(v4)
-    return _kind(ip) or (_kind(v4) if v4 is not None else None)
+    # the carried IPv4 address's kind first: older Python 3.11 releases (3.11.2) call all of 2002::/16 "private"
+    return (_kind(v4) if v4 is not None else None) or _kind(ip)
 
 
 @dataclass(frozen=True)
