@@ -31,7 +31,7 @@ DEPS_ALLOWLIST = {
     # The typed view of params.yaml. DVC tracks the values a stage reads through its `params:` list, so
     # a new field re-runs nothing while its default keeps today's behaviour; a change of behaviour must come
     # with an explicit value in params.yaml (docs/ARCHITECTURE.md). Listing it would re-run the whole
-    # DAG at full scale for every new option.
+    # DAG at full scale for every new option. A package: every module of it (sdforge.config.*) is allowlisted.
     "sdforge.config",
     "sdforge.io",  # logging set-up, the stage CLI wrapper, atomic writes of bytes the stage computed
 }
@@ -197,13 +197,19 @@ def _empty(path: Path) -> bool:
     return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
+def allowlisted(module: str, stage: str) -> bool:
+    """Whether stage ``stage`` may import ``module`` unlisted: it, or a package it sits in, is allowlisted."""
+    allowed = DEPS_ALLOWLIST | STAGE_DEPS_ALLOWLIST.get(stage, set())
+    return any(module == entry or module.startswith(entry + ".") for entry in allowed)
+
+
 def uncovered_modules(name: str, stage: dict) -> list[str]:
     """Project modules that stage ``name`` imports but that none of its dvc.yaml deps covers."""
     deps = [d.rstrip("/") for d in stage_deps(stage)]
     missing = []
     for module in sorted(import_closure(f"stages.{name}")):
         path = str(modules()[module].relative_to(REPO))
-        if module in DEPS_ALLOWLIST | STAGE_DEPS_ALLOWLIST.get(name, set()) or _empty(modules()[module]):
+        if allowlisted(module, name) or _empty(modules()[module]):
             continue
         if not any(path == d or path.startswith(d + "/") for d in deps):
             missing.append(path)

@@ -382,7 +382,7 @@ def test_dockerignore_keeps_secrets_and_outputs_out_and_tracked_files_in() -> No
         ".gpu-wheels/torch.whl",
     ]
     kept = ["Dockerfile", "pyproject.toml", "dvc.yaml", "params.yaml", ".dvc/config", ".git/HEAD", ".git/index"]
-    kept += ["sdforge/config.py", "model/__init__.py", "stages/train.py"]
+    kept += ["sdforge/config/__init__.py", "sdforge/config/train.py", "model/__init__.py", "stages/train.py"]
     assert [p for p in out if not excluded(p, patterns)] == []
     assert [p for p in kept if excluded(p, patterns)] == []
     assert excluded("data/x", ["data", "!data/x"]) is False and excluded("a/data", ["data"]) is False

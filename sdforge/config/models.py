@@ -1,0 +1,128 @@
+"""``models``: the frozen VAE and text encoder (built for the demo, or pretrained), the UNet architecture, the
+noise schedule and the demo's captioner."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sdforge.config.base import Section, Url
+
+
+class VaeBuild(Section):
+    """A small AutoencoderKL built and trained locally (demo)."""
+
+    block_out_channels: list[int] = [32, 64]
+    layers_per_block: int = 1
+    latent_channels: int = 4
+    train_steps: int = Field(400, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    kl_weight: float = Field(1e-6, ge=0)
+
+
+class TextEncoderBuild(Section):
+    """A tiny random CLIP text encoder + a tokenizer whose vocabulary covers the demo words."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 77
+
+
+class UNetSpec(Section):
+    """The keys of ``UNet2DConditionModel``'s config that this project sets."""
+
+    sample_size: int = 64
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: list[int] = [320, 640, 1280, 1280]
+    layers_per_block: int = 2
+    down_block_types: list[str] = [
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "CrossAttnDownBlock2D",
+        "DownBlock2D",
+    ]
+    up_block_types: list[str] = [
+        "UpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+        "CrossAttnUpBlock2D",
+    ]
+    cross_attention_dim: int = 768
+    attention_head_dim: int = 8
+    norm_num_groups: int = 32
+    addition_embed_type: Literal["text"] | None = None
+    """``text``: the prompt's embedding, attention-pooled (diffusers ``TextTimeEmbedding``), is also added to
+    the timestep embedding, so every ResNet block sees the prompt (the pooled-text conditioning of Imagen
+    and SDXL). SD 1.x has none (null); the demo uses it (README "The embedded demo")."""
+    addition_embed_type_num_heads: int = Field(64, ge=1)
+    """Heads of that attention pooling (``cross_attention_dim`` must divide by it)."""
+
+    @model_validator(mode="after")
+    def _block_lists_match(self) -> UNetSpec:
+        n = len(self.block_out_channels)
+        if len(self.down_block_types) != n or len(self.up_block_types) != n:
+            raise ValueError(
+                f"down_block_types ({len(self.down_block_types)}) and up_block_types "
+                f"({len(self.up_block_types)}) must each have one entry per block_out_channels ({n})"
+            )
+        return self
+
+
+class NoiseSchedule(Section):
+    """DDPM training schedule (the reference run: scaled_linear 0.00085 → 0.012, 1000 steps)."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    beta_schedule: Literal["scaled_linear", "linear"] = "scaled_linear"
+    prediction_type: Literal["epsilon", "v_prediction"] = "epsilon"
+    rescale_betas_zero_snr: bool = False
+    """Zero terminal SNR (Lin et al. 2023); needs v_prediction. Sampling then starts at t = T."""
+
+    @model_validator(mode="after")
+    def _zero_snr_needs_v(self) -> NoiseSchedule:
+        if self.rescale_betas_zero_snr and self.prediction_type != "v_prediction":
+            raise ValueError("rescale_betas_zero_snr needs prediction_type v_prediction (ε is undefined at SNR 0)")
+        return self
+
+
+class CaptionerBuild(Section):
+    """The demo's captioner: a tiny BLIP trained in ``prepare_models`` on demo renders (``recaption.model: build``).
+    sdforge/demo/captioner.py says what it learns; bench.demo_captioner measures it (3 seeds: colour 1.0, shape
+    ≥ 0.99 on shown combinations, held-out shape 0.55, ~35 s on 2 cores)."""
+
+    steps: int = Field(1000, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(2e-3, gt=0)
+    width: int = Field(96, ge=16)
+    layers: int = Field(2, ge=1)
+    image_size: int = Field(32, ge=16)
+    off_palette: float = Field(0.5, ge=0, lt=1)
+    """Share of each batch drawn in colours far from every demo colour (article and colour word left out of the
+    loss): without them the model guesses a held-out combination's shape from its colour and background."""
+
+
+class Models(Section):
+    """Where the frozen VAE / text encoder come from, and the UNet architecture."""
+
+    source: Literal["build", "pretrained"] = "build"
+    vae: Url = "stabilityai/sd-vae-ft-mse"
+    text_encoder: Url = "openai/clip-vit-large-patch14"
+    missing_weights: Literal["error", "random"] = "error"
+    """With ``source: pretrained``, what to do when the ``vae`` / ``text_encoder`` weights are neither a local
+    folder nor in the local Hugging Face cache: ``error`` (a clear error naming the id), or ``random``: build
+    the real architecture from ``sdforge/architectures`` with seeded random weights (``seed``) and CLIP's real
+    tokenizer. For ``sdforge preflight`` only, never for a real run: random frozen models give meaningless
+    latents and text embeddings."""
+    vae_build: VaeBuild = VaeBuild()
+    text_encoder_build: TextEncoderBuild = TextEncoderBuild()
+    unet: UNetSpec = UNetSpec()
+    noise: NoiseSchedule = NoiseSchedule()
+    captioner_build: CaptionerBuild | None = None
+    """Train the demo captioner into ``paths.models``/captioner (null: none is built)."""
+    seed: int = 0

@@ -1,0 +1,51 @@
+"""Where the pipeline's files live: ``paths`` (local folders), ``tracking`` (MLflow) and ``storage`` (S3)."""
+
+from __future__ import annotations
+
+from sdforge.config.base import S3Url, SafeName, Section, Url
+
+
+class Paths(Section):
+    """Every on-disk location of the pipeline (relative to the repo root)."""
+
+    demo_source: str
+    metadata: str
+    filtered: str
+    shards: str
+    captions: str
+    latents: str
+    models: str
+    mixes: str
+    checkpoints: str
+    runs: str
+    eval: str
+    metrics: str
+
+
+class Tracking(Section):
+    """MLflow: tracking URI (overridden by ``MLFLOW_TRACKING_URI``) and experiment."""
+
+    enabled: bool = True
+    """``false``: stages log nothing to MLflow (their metrics JSON and logs are unchanged); for machines
+    without MLflow, such as a bare GPU pod running ``bench/gpu/run.sh``, and throwaway smoke runs."""
+    mlflow_uri: Url = "sqlite:///mlflow.db"
+    experiment: str = "sdforge"
+    ui_url: Url = "http://127.0.0.1:5000"
+    """Where a user opens the MLflow UI when ``mlflow_uri`` is not a server (``make mlflow-ui`` serves the
+    SQLite store there): the base of the run links in Prefect artifacts and ``tools.results``. With an
+    ``http(s)`` tracking URI the links use that URI instead."""
+
+
+class Storage(Section):
+    """S3 (or S3-compatible) storage shared by every machine. URLs only: credentials come from the
+    standard AWS chain (environment, ~/.aws, the pod's role) and are never written to params or repo.
+    Checkpoints go to ``train.checkpoint_s3`` (a param of the train stage)."""
+
+    dvc_remote: S3Url | None = None
+    """``s3://bucket/prefix``: the default DVC remote (set in ``.dvc/config.local`` by the flows)."""
+    remote_name: SafeName = "storage"
+    """The DVC remote's name (a section of ``.dvc/config.local``)."""
+    endpoint_url: Url | None = None
+    """An S3-compatible endpoint (MinIO, moto, R2) for DVC; boto3 (checkpoints) reads ``AWS_ENDPOINT_URL``."""
+    mlflow_artifacts: S3Url | None = None
+    """``s3://bucket/prefix``: ``--artifacts-destination`` of the MLflow server ``tools.stack up --mlflow`` starts."""

@@ -1,0 +1,147 @@
+"""``phases.<p>``: one training phase (its data mix and hyper-parameters), its optional adapter and caption mix."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import Field, StrictInt, field_validator, model_validator
+
+from sdforge.config.base import SCRATCH, Effect, SafeName, Section
+
+AdapterTarget = Literal[
+    "self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding", "pooled_text"
+]
+ADAPTER_TARGETS = get_args(AdapterTarget)
+"""Layer groups an adapter may target; their diffusers module names are in :mod:`model.adapters` (``UNET_GROUPS``)."""
+
+
+class Adapter(Section):
+    """Train a LoRA or DoRA (peft) on the phase's init weights instead of every UNet weight."""
+
+    type: Literal["lora", "dora"] = "lora"
+    rank: int = Field(4, ge=1)
+    alpha: float | None = Field(None, gt=0)
+    """LoRA scale numerator: the update is ``alpha / rank · B·A``; null: ``rank`` (scale 1)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: list[AdapterTarget] = ["self_attention"]
+    """Layer groups in words (:data:`ADAPTER_TARGETS`); mapped to diffusers module names in :mod:`model.adapters`."""
+    merge: bool = True
+    """true: ``unet/`` and ``unet_ema/`` hold base + adapter merged (what the next phase, the eval grid and
+    export use); false: they hold the base unchanged and the eval grid, ``generate`` and export apply
+    ``adapter_ema/`` (``adapter/``) on top; the next phase then continues from the base."""
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_distinct(cls, targets: list[str]) -> list[str]:
+        if not targets or len(set(targets)) != len(targets):
+            raise ValueError(f"targets must name each layer group once, at least one of {ADAPTER_TARGETS}")
+        return targets
+
+
+class CaptionMix(Section):
+    """``phases.<p>.caption_mix``: the share of samples that train with their original and with their synthetic
+    caption (``caption_images``), chosen per (seed, sample, epoch) (:mod:`sdforge.captions.mix`)."""
+
+    original: float = Field(ge=0, le=1)
+    synthetic: float = Field(ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sums_to_one(self) -> CaptionMix:
+        if abs(self.original + self.synthetic - 1.0) > 1e-6:
+            raise ValueError(f"original + synthetic must be 1; got {self.original} + {self.synthetic}")
+        return self
+
+
+class Phase(Section):
+    """One training phase: its data mix and hyper-parameters. Every key is :attr:`Effect.WEIGHTS` (it changes the
+    trained weights) but ``description`` (:func:`sdforge.config.keys_by_effect`)."""
+
+    description: Annotated[str, Effect.NONE] = ""
+    """Free text: the heading of the phase's MLflow description (``mix_phase``); a run resumes across a change."""
+    init_from: SafeName = SCRATCH
+    init_weights: Literal["ema", "live"] = "ema"
+    init_path: str | None = None
+    """Optional foreign weights to start from instead (a ``.safetensors``/``.pt`` state dict, e.g. the
+    reference run's checkpoint); wrapper prefixes (``module.``, ``_orig_mod.``, ``unet.``,
+    ``_fsdp_wrapped_module.``) are stripped and the keys must match ``models.unet``."""
+    mix: dict[SafeName, StrictInt | float]
+    """source name → fraction of the phase's samples (decimals summing to 1, e.g. ``0.6``) or a sample
+    count (integers, e.g. ``150000``; then ``samples`` must equal their sum). One mix uses one kind."""
+    samples: int = Field(ge=1)
+    """Samples in the phase's index (one epoch)."""
+    with_replacement: bool = False
+    epochs: int = Field(1, ge=1)
+    lr: float = Field(gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    cfg_dropout: float = Field(0.1, ge=0, lt=1)
+    min_snr_gamma: float | None = Field(5.0, gt=0)
+    batch_size: int = Field(24, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    resolution: SafeName | None = None
+    """The bucket set (a name under ``buckets``) the phase trains on; None: the only one defined."""
+    objective: Literal["diffusion", "flow_matching"] | None = None
+    """diffusion: noise prediction with ``models.noise`` (ε or v, DDIM sampling); flow_matching: rectified
+    flow (velocity ``ε − x0`` on ``x_σ = (1−σ)·x0 + σ·ε``, Euler sampling). null: ``train.objective``.
+    docs/OBJECTIVES.md says what changes when a phase switches objective from its init."""
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    """How training timesteps (diffusion) or σ (flow matching) are drawn: uniform (SD 1.x), or
+    ``sigmoid(mean + std·z)`` (SD3) with ``logit_normal``'s ``[mean, std]``."""
+    logit_normal: tuple[float, Annotated[float, Field(gt=0)]] = (0.0, 1.0)
+    """``[mean, std]`` of ``timestep_sampling: logit_normal``; mean > 0 favours high noise."""
+    flow_shift: float = Field(1.0, gt=0)
+    """Flow matching: σ ↦ shift·σ / (1 + (shift − 1)·σ) in training and sampling (SD3: 3.0 at 1024²)."""
+    noise_offset: float = Field(0.0, ge=0)
+    """Per-sample, per-channel constant added to the noise, times this (diffusers ``--noise_offset``; 0: off)."""
+    input_perturbation: float = Field(0.0, ge=0)
+    """The model's input is noised with ``noise + γ·ξ`` while the target keeps ``noise`` (Ning et al. 2023;
+    diffusers ``--input_perturbation``; 0: off)."""
+    optimizer: Literal["adamw", "adamw8bit", "prodigy"] = "adamw"
+    """adamw (torch; fused on CUDA); adamw8bit (bitsandbytes, 8-bit states; installed apart:
+    ``pip install bitsandbytes``); prodigy (``prodigyopt``: the LR is found by D-adaptation, so ``lr`` is
+    a multiplier, usually 1.0)."""
+    adapter: Adapter | None = None
+    """Train a LoRA/DoRA on the init weights instead of the whole UNet (null: a full fine-tune)."""
+    caption_mix: CaptionMix | None = None
+    """null: original captions only. A sample without a synthetic caption (its source not recaptioned, or its
+    caption rejected) trains with its original one whatever the draw."""
+
+    @property
+    def synthetic_share(self) -> float:
+        """The probability that a sample with a synthetic caption trains with it in an epoch."""
+        return self.caption_mix.synthetic if self.caption_mix else 0.0
+
+    @property
+    def mix_is_counts(self) -> bool:
+        """True when ``mix`` gives sample counts rather than fractions."""
+        return all(isinstance(v, int) for v in self.mix.values())
+
+    @field_validator("mix")
+    @classmethod
+    def _fractions_or_counts(cls, mix: dict[str, int | float]) -> dict[str, int | float]:
+        if not mix:
+            raise ValueError("a phase needs at least one source in its mix")
+        kinds = {isinstance(v, int) for v in mix.values()}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"mix values must be all fractions (decimals such as 0.6) or all sample counts "
+                f"(integers such as 150000), not both; got {mix}"
+            )
+        if kinds == {True}:
+            if any(n < 1 for n in mix.values()):
+                raise ValueError(f"mix counts must be >= 1; got {mix}")
+            return mix
+        if any(f <= 0 for f in mix.values()):
+            raise ValueError(f"mix fractions must be > 0; got {mix}")
+        total = sum(mix.values())
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"mix fractions must sum to 1; they sum to {total:.6g}: {mix}")
+        return mix
+
+    @model_validator(mode="after")
+    def _counts_match_samples(self) -> Phase:
+        if self.mix_is_counts and sum(self.mix.values()) != self.samples:
+            raise ValueError(
+                f"mix: the counts sum to {sum(self.mix.values())} but samples is {self.samples}; make them "
+                f"agree (fractions are written with a decimal point, e.g. 1.0): {self.mix}"
+            )
+        return self

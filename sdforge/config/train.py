@@ -1,0 +1,151 @@
+"""``train``: the optimisation settings shared by every phase, one :class:`Section` per concern.
+
+The keys stay flat in ``params.yaml`` (``train.keep_last``): :class:`Train` inherits every concern's fields.
+Each concern says what changing its keys changes (``EFFECT``, :class:`sdforge.config.Effect`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sdforge.config.base import Effect, S3Url, Section, Url
+
+
+class TrainingRecipe(Section):
+    """What is trained and in which order: the seed, the bucket tail and the default objective."""
+
+    seed: int = 0
+    bucket_tail: Literal["drop", "carry"] = "drop"
+    """With several aspect buckets: a bucket's samples left over after its last full global batch are
+    dropped for the epoch, or carried to the front of that bucket in the next epoch."""
+    objective: Literal["diffusion", "flow_matching"] = "diffusion"
+    """The default of ``phases.<p>.objective`` (one key switches every phase that does not set its own)."""
+
+
+class OptimizerSettings(Section):
+    """AdamW's settings (every phase's optimizer) and gradient clipping."""
+
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class EmaSettings(Section):
+    """The exponential moving average of the UNet's weights (what the eval grid and the next phase use)."""
+
+    ema_decay: float = Field(0.9999, gt=0, lt=1)
+    ema_update_every: int = Field(1, ge=1)
+    """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
+    ema_device: Literal["model", "cpu"] = "model"
+    """Where the EMA weights live: with the model (GPU), or on CPU to save GPU memory."""
+
+
+class PrecisionSettings(Section):
+    """Numerics and memory layout: autocast, TF32, the text encoder's dtype, checkpointing, determinism."""
+
+    mixed_precision: Literal["no", "bf16"] = "bf16"
+    """bf16 autocast on CUDA, and on a CPU with native bf16 (AVX512-BF16/AMX); fp32 elsewhere."""
+    tf32: bool = True
+    """Allow TF32 matmuls/convolutions on CUDA."""
+    text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"
+    """The frozen text encoder's dtype on CUDA (CPU: fp32)."""
+    gradient_checkpointing: bool = False
+    channels_last: bool = False
+    deterministic: bool = False
+    """``torch.use_deterministic_algorithms`` (warn-only: ops without a deterministic kernel warn, not fail),
+    cuDNN autotuning off and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set: on CUDA a killed and resumed run
+    then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway."""
+
+
+class CheckpointSettings(Section):
+    """When checkpoints are written, which are kept, and where they are uploaded (retention: not the weights)."""
+
+    EFFECT = Effect.NONE
+
+    save_steps: int = Field(0, ge=0)
+    """Mid-epoch checkpoint every N optimizer steps (0: epoch ends only)."""
+    keep_last: int = Field(2, ge=1)
+    """Retention: the newest K checkpoints of a phase's run are kept ..."""
+    keep_every: int = Field(0, ge=0)
+    """... plus every checkpoint whose step is a multiple of N (0: none) ..."""
+    keep_best: bool = True
+    """... plus the one with the lowest mean training loss since the previous checkpoint."""
+    checkpoint_s3: S3Url | None = None
+    """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
+    resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
+
+
+class ReportingSettings(Section):
+    """What the run reports while it trains: step logs, validation images, the progress bar."""
+
+    EFFECT = Effect.NONE
+
+    log_every: int = Field(10, ge=1)
+    validation_every: int = Field(0, ge=0)
+    """Every N optimizer steps (0: never) sample the first ``validation_prompts`` eval prompts with the
+    EMA weights and log a captioned grid to MLflow as ``validation/step-NNNNNNNN.png``."""
+    validation_prompts: int = Field(4, ge=1)
+    progress_bar: bool = True
+    """tqdm bar with ETA on the main rank."""
+
+
+class LaunchSettings(Section):
+    """The job's shape: processes per node, nodes, this node's rank and the rendezvous (``torchrun``)."""
+
+    EFFECT = Effect.JOB
+
+    nproc_per_node: int = Field(1, ge=1)
+    """Processes (GPUs) per node; > 1 (or nnodes > 1) makes the stage launch ``torchrun``."""
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: Url | None = None
+    """``host:port`` of the rendezvous (required when nnodes > 1)."""
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self) -> LaunchSettings:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
+        return self
+
+
+class ResilienceSettings(Section):
+    """Failure handling: a graceful stop on preemption and the hang watchdog (docs/RESILIENCE.md)."""
+
+    EFFECT = Effect.NONE
+
+    preempt_grace_s: float = Field(25.0, gt=0)
+    """On SIGTERM (a Kubernetes pod deletion, a spot/preemptible notice) the ranks stop at the next step
+    boundary and write a checkpoint if it fits in this many seconds from the signal (estimated from the
+    measured write time); otherwise they keep the last good one. Set it a few seconds under the pod's
+    ``terminationGracePeriodSeconds`` (30 by default). docs/RESILIENCE.md."""
+    hang_timeout_s: float | None = Field(None, gt=0)
+    """A rank whose step (or collective) makes no progress for this long dumps every thread's stack into the
+    stage log, names the lagging rank(s) and exits non-zero (the orchestrator retries from the last
+    checkpoint). null: 20 × the slowest step so far, at least 300 s; checkpoints and validation get 10 × it."""
+
+
+class Train(
+    TrainingRecipe,
+    OptimizerSettings,
+    EmaSettings,
+    PrecisionSettings,
+    CheckpointSettings,
+    ReportingSettings,
+    LaunchSettings,
+    ResilienceSettings,
+):
+    """Optimisation settings shared by every phase, flat under ``train`` and grouped by concern:
+
+    - :class:`TrainingRecipe`, :class:`OptimizerSettings`, :class:`EmaSettings`, :class:`PrecisionSettings`:
+      the weights a run trains (:attr:`Effect.WEIGHTS`); a run dir from other values is not resumed.
+    - :class:`CheckpointSettings`, :class:`ReportingSettings`, :class:`ResilienceSettings`: retention,
+      reporting and failure handling (:attr:`Effect.NONE`); a run resumes across a change, bit-identically.
+    - :class:`LaunchSettings`: the job's shape (:attr:`Effect.JOB`); a run resumes on another world size with
+      its global batch kept (docs/RESILIENCE.md).
+
+    :func:`sdforge.config.keys_by_effect` lists every key's effect."""
+
+    EFFECT = Effect.WEIGHTS  # not CheckpointSettings' NONE, which the MRO would find first; no key is declared here
