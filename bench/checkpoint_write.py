@@ -5,11 +5,11 @@
 What is written: the training state of an SD1.5-size UNet (``models.unet`` of ``configs/full/params.yaml``,
 859,520,964 parameters, fp32, built by :func:`model.builders.build_unet`), as the trainer holds it —
 ``TrainingEMA`` shadow weights (decay 0.9999), ``AdamW`` (lr 1e-5) with its state populated by one step on
-zero gradients (``exp_avg``/``exp_avg_sq`` for every parameter), ``build_lr_scheduler(opt, 100, 1000)`` —
+zero gradients (``exp_avg``/``exp_avg_sq`` for every parameter), ``build_lr_scheduler(opt, 1e-5, 100, 1000)`` —
 about 3.44 GB of live weights + 3.44 GB EMA + 6.9 GB optimizer state.
 
 - **Ours** = the wall time of :func:`sdforge.training.checkpoints.save_checkpoint` (the UNet via
-  ``unet.save_pretrained(folder / "unet", safe_serialization=True)`` as ``Trainer.write_live_weights`` does,
+  ``unet.save_pretrained(folder / "unet", safe_serialization=True)`` as ``FullUNet.write_live`` does,
   ``state.pt`` = ``{optimizer, lr_scheduler, ema, recent_losses, global_batch}`` + progress/loss via
   ``torch.save``, one ``rng-rank0.pt``, ``config.json`` = the full params, then the sha256 + size of every
   file into the ``COMPLETE`` manifest, ``os.replace`` of the temp dir, pruning), followed by ``os.sync()``.
@@ -128,7 +128,7 @@ def build_state(spec: dict) -> tuple[torch.nn.Module, dict, int]:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     gc.collect()
-    lr_scheduler = build_lr_scheduler(optimizer, 100, 1000)
+    lr_scheduler = build_lr_scheduler(optimizer, 1e-5, 100, 1000)
     ema = TrainingEMA(list(unet.parameters()), decay=0.9999, model_cls=type(unet), model_config=unet.config)
     state = {
         "optimizer": optimizer.state_dict(),

@@ -2,12 +2,11 @@
 
 ``python -m bench.train_step [--quick] [--config demo|full] [--batch N] [--ckpt off|on|both]``
 
-- ours: the real :meth:`sdforge.training.trainer.Trainer.micro_step` +
-  :meth:`~sdforge.training.trainer.Trainer.optimizer_step`
-  (noise and timesteps from the trainer's CPU generator, CFG dropout, bf16 autocast on CUDA,
+- ours: the real :func:`sdforge.training.step.micro_step` + :meth:`sdforge.training.optimization.Optimization.step`
+  (noise and timesteps from the job's CPU generator, CFG dropout, bf16 autocast on CUDA,
   channels_last as configured, Min-SNR-γ as the config's phase 1, fused AdamW on CUDA, grad clip,
-  warmup+cosine LR schedule, :class:`model.diffusion.TrainingEMA` where the config puts it) on a
-  ``Trainer`` assembled without data or files (``Trainer.__new__``);
+  warmup+cosine LR schedule, :class:`model.diffusion.TrainingEMA` where the config puts it) on the job's
+  components assembled without data or files (:class:`_BenchJob`);
 - plain: diffusers ``examples/text_to_image/train_text_to_image.py``'s loop body — ``randn_like``
   noise and ``randint`` timesteps on the device, ``add_noise``, UNet forward under the same autocast,
   ``F.mse_loss``, backward, ``clip_grad_norm_``, default ``AdamW``, ``EMAModel.step`` — on a UNet
@@ -42,13 +41,13 @@ import torch
 
 from bench._common import load_average, machine, result_line
 from model.builders import build_unet, noise_scheduler, unet_config
-from model.diffusion import TrainingEMA, build_lr_scheduler
 from model.precision import uses_bf16_autocast
 from sdforge.config import load_params
-from sdforge.training.checkpoints import Progress
 from sdforge.training.distributed import Dist, step_seeds
-from sdforge.training.optimizers import build_optimizer
-from sdforge.training.trainer import Trainer
+from sdforge.training.optimization import Optimization
+from sdforge.training.state import TrainState
+from sdforge.training.step import micro_step
+from sdforge.training.trained_model import FullUNet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yaml"}
@@ -78,47 +77,58 @@ def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool):
     return unet
 
 
-class _Embeddings(torch.nn.Module):
-    """Stands in for the frozen text encoder: returns the precomputed embeddings."""
+class _Conditioning:
+    """Stands in for :class:`sdforge.training.conditioning.Conditioning`: precomputed text embeddings."""
 
-    def __init__(self, cond: torch.Tensor):
-        super().__init__()
-        self.cond = cond
+    def __init__(self, cond: torch.Tensor, scheduler):
+        self.cond, self.scheduler = cond, scheduler
+        self.uncond = torch.zeros(1, *cond.shape[1:], device=cond.device)
 
-    def forward(self, input_ids):
-        return (self.cond,)
+    def encode(self, input_ids):
+        return self.cond
+
+
+@dataclass
+class _BenchJob:
+    """The parts of :class:`sdforge.training.job.TrainJob` one step reads, built without data or files."""
+
+    params: object
+    phase: object
+    cfg: object
+    dist: Dist
+    model: FullUNet
+    optim: Optimization
+    conditioning: _Conditioning
+    state: TrainState
+    objective: str = "diffusion"
+    phase_name: str = "bench"
 
 
 def _ours(params, device, batch, ckpt, channels_last=None, compile_=False):
-    """A Trainer with the real step methods, built without data or files (``compile_``: ``torch.compile`` the UNet)."""
-    tr = Trainer.__new__(Trainer)
-    tr.params, tr.phase_name = params, "bench"
-    tr.phase = next(iter(params.phases.values()))
+    """The real step on the job's components, built without data or files (``compile_``: ``torch.compile`` the
+    UNet)."""
+    phase = next(iter(params.phases.values()))
     update = {"gradient_checkpointing": ckpt}
     if channels_last is not None:
         update["channels_last"] = channels_last
-    tr.cfg = params.train.model_copy(update=update)
-    tr.dist = Dist(rank=0, world=1, local_rank=0, device=device)
-    tr.scheduler = noise_scheduler(params.models.noise.model_dump())
-    tr.unet = tr.model = _build_unet(params, device, ckpt, tr.cfg.channels_last)
-    tr.objective, tr.trainable = "diffusion", list(tr.unet.parameters())
+    cfg = params.train.model_copy(update=update)
+    dist = Dist(rank=0, world=1, local_rank=0, device=device)
+    model = FullUNet(_build_unet(params, device, ckpt, cfg.channels_last), dist)
     if compile_:
-        tr.model = torch.compile(tr.unet)
+        model.forward_module = torch.compile(model.unet)
+    optim = Optimization(model.trainable, phase, cfg, device, "bench", model.unet.config)
+    optim.plan(10**6)
     d = params.models.unet.cross_attention_dim
-    tr.text_encoder = _Embeddings(torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device))
-    tr.uncond = torch.zeros(1, 77, d, device=device)
-    tr.optimizer = build_optimizer("adamw", tr.trainable, tr.phase.lr, tr.cfg, device, "bench")
-    tr.lr_scheduler = build_lr_scheduler(tr.optimizer, tr.phase.warmup_steps, 10**6)
-    tr.ema = TrainingEMA(tr.trainable, decay=tr.cfg.ema_decay, every=tr.cfg.ema_update_every)
-    tr.ema.to(device if tr.cfg.ema_device == "model" else torch.device("cpu"))
-    tr.generator = torch.Generator().manual_seed(0)
-    tr.progress = Progress()
+    cond = torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device)
+    conditioning = _Conditioning(cond, noise_scheduler(params.models.noise.model_dump()))
+    job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0))
     ids = torch.zeros(batch, 77, dtype=torch.long)
 
     def step(latents):
-        seeds = step_seeds(tr.generator, latents.shape[0])
-        tr.micro_step(latents, ids, seeds, 1.0, sync=True)
-        tr.optimizer_step()
+        seeds = step_seeds(job.state.generator, latents.shape[0])
+        micro_step(job, latents, ids, seeds, 1.0, sync=True)
+        job.state.progress.step += 1
+        optim.step(job.state.progress.step)
 
     return step
 

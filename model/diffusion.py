@@ -117,18 +117,22 @@ def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, final_
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2
+    optimizer: torch.optim.Optimizer, peak_lr: float, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """``SequentialLR(LinearLR(1e-2 → 1), CosineAnnealingLR(eta_min = lr·final_ratio))``.
+    """``SequentialLR(LinearLR(1e-2 → 1), CosineAnnealingLR(eta_min = peak·final_ratio))`` from ``peak_lr``.
 
-    ``total_steps`` must count *optimizer* steps (batches ÷ accumulation × epochs) — the
-    reference run's bug was counting samples.
+    The peak is an argument, never read from the optimizer: a schedule rebuilt after warm-up has lowered the
+    optimizer's LR (a run resumed on another world size before its first checkpoint) would otherwise take
+    that LR as its peak and end at ``peak·1e-2·final_ratio``. Every param group's ``lr`` and ``initial_lr``
+    are set to ``peak_lr`` first. ``total_steps`` must count *optimizer* steps (batches ÷ accumulation ×
+    epochs) — the reference run's bug was counting samples.
     """
     if total_steps < 1:
         raise ValueError(f"total optimizer steps must be ≥ 1; got {total_steps}")
-    peak = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = peak_lr
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak * final_ratio
+        optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=peak_lr * final_ratio
     )
     if warmup_steps == 0:
         return cosine

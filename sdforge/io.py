@@ -80,21 +80,37 @@ def stage_cli(
     needs_item: bool = True,
     argv: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Parse ``--params`` / ``--item``, run the stage, write its metrics JSON, return the metrics.
+    """Parse ``--params`` / ``--item``, run the stage, write its metrics JSON, return the metrics
+    (:func:`stage_args` + :func:`run_stage_command`)."""
+    args = stage_args(stage, argv, needs_item)
+    return run_stage_command(stage, run, args.params, getattr(args, "item", None), needs_item)
+
+
+def stage_args(stage: str, argv: list[str] | None = None, needs_item: bool = True) -> argparse.Namespace:
+    """A stage's command line: ``--params`` (default ``params.yaml``) and, for a foreach stage, ``--item``."""
+    parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}")
+    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    if needs_item:
+        parser.add_argument("--item", required=True, help="source or phase name (the foreach key)")
+    return parser.parse_args(argv)
+
+
+def run_stage_command(
+    stage: str,
+    run: Callable[[Params, str | None], dict[str, Any]],
+    params_file: str | Path,
+    item: str | None,
+    needs_item: bool = True,
+) -> dict[str, Any]:
+    """Load the params, run the stage, write its metrics JSON, return the metrics.
 
     ``run(params, item)`` does the work and returns a flat dict of metrics; it writes its own
     outputs. A :class:`ConfigError` or a ``ValueError`` raised for bad input exits with the
     message (no traceback) and status 2.
     """
-    parser = argparse.ArgumentParser(prog=f"python -m stages.{stage}")
-    parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    if needs_item:
-        parser.add_argument("--item", required=True, help="source or phase name (the foreach key)")
-    args = parser.parse_args(argv)
     setup_logging()
-    item = getattr(args, "item", None)
     try:
-        params = load_params(args.params)
+        params = load_params(params_file)
         if needs_item:
             _check_item(params, stage, item)
         metrics = run(params, item)

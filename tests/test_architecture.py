@@ -288,6 +288,20 @@ def test_stage_modules_stay_small():
     assert not long, f"stage modules over {MAX_STAGE_LINES} lines (move library code into sdforge/): {long}"
 
 
+MAX_TRAINING_LINES, MAX_TRAIN_STAGE_LINES, MAX_LOOP_LINES = 300, 100, 50
+"""Issue 37: the training package by component, its stage thin, the loop on one screen."""
+
+
+def test_training_stays_in_components_and_the_loop_on_one_screen():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "sdforge/training").glob("*.py")}
+    long = {name: n for name, n in sizes.items() if n > MAX_TRAINING_LINES}
+    assert not long, f"sdforge/training modules over {MAX_TRAINING_LINES} lines (split by component): {long}"
+    assert len((REPO / "stages/train.py").read_text().splitlines()) <= MAX_TRAIN_STAGE_LINES
+    tree = ast.parse((REPO / "sdforge/training/loop.py").read_text())
+    (loop,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_loop"]
+    assert loop.end_lineno - loop.lineno + 1 <= MAX_LOOP_LINES
+
+
 def test_functions_stay_short():
     long = []
     for module in [m for m in _non_test_modules() if not m.startswith("bench")]:  # benchmark mains: a script each
@@ -337,3 +351,14 @@ def test_lazy_imports_say_why():
         "imports inside functions need a one-line reason (a comment on the line or above it), "
         "or belong at the top of the file:\n" + "\n".join(lazy_imports_without_reason())
     )
+
+
+def test_the_train_stage_fingerprints_what_dvc_yaml_gives_it():
+    """The run dir's input fingerprint (sdforge/training/inputs.py) hashes exactly the train stage's data deps and
+    params in dvc.yaml: an input DVC tracks but the fingerprint ignores would resume a run over changed inputs
+    (issue 37: a new text encoder re-exported the old weights); code deps are covered by the import check above."""
+    from sdforge.training.inputs import INPUT_FILES, INPUT_PARAMS
+
+    stage = dvc_stages()["train"]["do"]
+    assert {d for d in stage["deps"] if d.startswith("${")} == set(INPUT_FILES.values())
+    assert set(stage["params"]) == set(INPUT_PARAMS)

@@ -1,11 +1,13 @@
 """``sdforge`` — user-facing commands: ``generate`` samples images from a phase checkpoint, ``export`` writes
 it as a diffusers ``StableDiffusionPipeline`` folder (optionally registered in MLflow), ``report`` writes the
-cross-phase report (``eval/report.html``), ``preflight`` runs the full configuration's whole DAG on a small
+cross-phase report (``eval/report.html``), ``runs`` lists or removes the run dirs the train stage moved aside
+because a phase's inputs changed, ``preflight`` runs the full configuration's whole DAG on a small
 sample and forecasts the full run (docs/PREFLIGHT.md)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
+from sdforge.training.run_dir import STALE_NOTE, remove_stale, stale_runs
 from stages import report as report_stage
 from stages.report import REPORT
 from tools.preflight import add_arguments as add_preflight_arguments
@@ -104,6 +107,32 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(args: argparse.Namespace) -> int:
+    """List the run dirs the train stage moved aside (their size), or remove them (``clean --yes``)."""
+    runs = Path(load_params(args.params).paths.runs)
+    found = stale_runs(runs, args.phase)
+    for stale in found:
+        print(f"{stale.path}\t{stale.bytes / 1e6:.1f} MB\t{_stale_note(stale.path)}")
+    print(f"{len(found)} stale run(s), {sum(s.bytes for s in found) / 1e6:.1f} MB")
+    if args.action == "clean" and found:
+        if not args.yes:
+            print("nothing removed: rerun with --yes to delete these folders")
+            return 1
+        remove_stale(runs, args.phase)
+        print(f"removed {len(found)} stale run(s)")
+    return 0
+
+
+def _stale_note(path: Path) -> str:
+    """What differed, from the folder's note (empty if it has none)."""
+    try:
+        note = json.loads((path / STALE_NOTE).read_text())
+    except (OSError, ValueError):
+        return ""
+    remote = f"; remote copies: {note['remote']}" if note.get("remote") else ""
+    return f"moved {note.get('moved_at', '?')}: {', '.join(note.get('differs', []))}{remote}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sdforge`` argument parser."""
     parser = argparse.ArgumentParser(prog="sdforge", description=__doc__)
@@ -136,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--mlflow", action="store_true", help="also log it to MLflow (as the report stage does)")
     rep.add_argument("--params", default="params.yaml")
     rep.set_defaults(func=_report)
+    runs = sub.add_parser("runs", help="list (or clean) the run dirs train moved aside because its inputs changed")
+    runs.add_argument("action", choices=["list", "clean"], help="clean deletes them (with --yes)")
+    runs.add_argument("--phase", default=None, help="only this phase's stale runs")
+    runs.add_argument("--yes", action="store_true", help="clean: really delete")
+    runs.add_argument("--params", default="params.yaml")
+    runs.set_defaults(func=_runs)
     pre = sub.add_parser("preflight", help="run the full configuration's whole DAG on a small sample; forecast the run")
     add_preflight_arguments(pre)
     pre.set_defaults(func=preflight)

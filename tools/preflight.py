@@ -42,7 +42,7 @@ from sdforge.demo.http_server import serve_directory
 from sdforge.preflight.derive import HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
 from sdforge.preflight.samples import write_sample_source
-from sdforge.training.step_log import read_steps
+from sdforge.training.reporting import read_steps
 
 log = logging.getLogger("sdforge.preflight")
 

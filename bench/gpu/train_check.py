@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from bench._common import machine, result_line
 from bench.gpu import workspace
 from sdforge.training.checkpoints import CheckpointError, checkpoint_dirs, verify_checkpoint
-from sdforge.training.step_log import read_steps
+from sdforge.training.reporting import read_steps
 
 
 def plan(quick: bool, steps: int | None, batch: int | None) -> dict:

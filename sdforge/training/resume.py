@@ -38,19 +38,19 @@ def resume_point(
     *,
     rank: int = 0,
     world: int = 1,
-    s3_url: str | None = None,
+    remote: str | None = None,
 ) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from and this rank's state, or ``None`` to start afresh.
 
-    Rank 0 picks the newest good checkpoint of local disk and (if ``s3_url``, the ``train.checkpoint_s3``
-    base) ``<s3_url>/<run dir name>/`` — by step, local on a
+    Rank 0 picks the newest good checkpoint of local disk and (if ``remote``, the run's folder under
+    ``train.checkpoint_s3``: :func:`sdforge.training.s3_checkpoints.run_url`) — by step, local on a
     tie; a remote one is downloaded into ``run_dir`` and verified first — and broadcasts its name; every
     other rank then loads that one (without re-hashing). Bad candidates are skipped with a warning.
     Only the state is read: :func:`restore_newest` also falls back when the restore itself fails.
     """
     found: tuple[Path, dict[str, Any]] | None = None
     if rank == 0:
-        found = next(_loadable(run_dir, world, s3_url, []), None)
+        found = next(_loadable(run_dir, world, remote, []), None)
     name = _broadcast(found[0].name if found else None, world)
     if name is None:
         return None
@@ -65,7 +65,7 @@ def restore_newest(
     *,
     rank: int = 0,
     world: int = 1,
-    s3_url: str | None = None,
+    remote: str | None = None,
 ) -> Path | None:
     """Restore the newest checkpoint that restores in full on every rank; its path, or ``None`` if there is none.
 
@@ -77,7 +77,7 @@ def restore_newest(
     does not split over this world size) raises that on every rank, whatever the checkpoint.
     """
     rejected: list[str] = []  # rank 0: names (or URLs) of the candidates that failed
-    candidates = _loadable(run_dir, world, s3_url, rejected) if rank == 0 else iter(())
+    candidates = _loadable(run_dir, world, remote, rejected) if rank == 0 else iter(())
     while True:
         fatal = None
         try:
@@ -163,7 +163,7 @@ def _gather(value: Any, world: int) -> list[Any]:
 
 
 def _loadable(
-    run_dir: Path, world: int, s3_url: str | None, rejected: list[str]
+    run_dir: Path, world: int, remote_url: str | None, rejected: list[str]
 ) -> Iterator[tuple[Path, dict[str, Any]]]:
     """Rank 0: each candidate whose manifest, files and state load, newest first, with rank 0's state.
 
@@ -173,8 +173,8 @@ def _loadable(
         (int(p.name.removeprefix(PREFIX)), 1, p) for p in checkpoint_dirs(run_dir)
     ]
     remote = None
-    if s3_url:
-        remote = s3_checkpoints.RemoteRun(s3_checkpoints.run_url(s3_url, run_dir))
+    if remote_url:
+        remote = s3_checkpoints.RemoteRun(remote_url)
         candidates += [(r.step, 0, r) for r in remote.complete()]
     stamp = run_dir / "fingerprint.txt"
     fingerprint = stamp.read_text().strip() if stamp.is_file() else None

@@ -1,8 +1,11 @@
 """Mirror a phase's checkpoints to S3 (boto3) and fetch the newest back on a fresh pod.
 
-Remote layout: ``<checkpoint_s3>/<phase>/checkpoint-<step:08d>/<same files as on disk>``, and the sample
-ledger's segments under ``<checkpoint_s3>/<phase>/ledger/`` (uploaded before the checkpoint that lists them,
-fetched with it; :mod:`sdforge.training.ledger`). The endpoint is boto3's own: ``AWS_ENDPOINT_URL`` (or
+Remote layout, one folder per run (:func:`run_url`: the phase and its input fingerprint,
+:mod:`sdforge.training.inputs`): ``<checkpoint_s3>/<phase>/<fingerprint>/checkpoint-<step:08d>/<same files as
+on disk>``, and the sample ledger's segments under ``<…>/<fingerprint>/ledger/`` (uploaded before the checkpoint
+that lists them, fetched with it; :mod:`sdforge.training.ledger`). A run moved aside locally keeps its remote
+folder untouched: nothing of it is overwritten or pruned by the run that replaced it. The endpoint is boto3's
+own: ``AWS_ENDPOINT_URL`` (or
 ``AWS_ENDPOINT_URL_S3``) if set, else AWS.
 
 Upload protocol (:meth:`RemoteRun.upload`): delete whatever is under the checkpoint's prefix
@@ -44,9 +47,10 @@ def split_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def run_url(checkpoint_s3: str, run_dir: Path) -> str:
-    """The remote folder of one run dir: ``<checkpoint_s3>/<run dir name>``."""
-    return f"{checkpoint_s3.rstrip('/')}/{run_dir.name}"
+def run_url(checkpoint_s3: str, phase: str, fingerprint: str) -> str:
+    """The remote folder of one run: ``<checkpoint_s3>/<phase>/<input fingerprint>`` (a run from other inputs
+    has its own folder: it never resumes from, overwrites or prunes another run's copies)."""
+    return f"{checkpoint_s3.rstrip('/')}/{phase}/{fingerprint}"
 
 
 @dataclass(frozen=True)
@@ -161,11 +165,12 @@ class RemoteRun:
             os.replace(tmp, target)
 
     def prune(self, retention: Retention, fingerprint: str | None = None) -> list[str]:
-        """Apply ``retention`` to the remote checkpoints (of ``fingerprint``; others from other inputs go)."""
+        """Apply ``retention`` to the remote checkpoints of ``fingerprint`` (all if None); a checkpoint from other
+        inputs is never deleted here (removing a stale run is the user's call)."""
         done = self.complete()
         ours = [c for c in done if fingerprint is None or c.manifest.get("fingerprint") == fingerprint]
         keep = retained({c.step: c.manifest.get("loss") for c in ours}, retention)
-        dropped = [c.name for c in done if c.step not in keep or c not in ours]
+        dropped = [c.name for c in ours if c.step not in keep]
         for name in dropped:
             self._delete_checkpoint(name)
         if dropped:

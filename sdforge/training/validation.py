@@ -1,4 +1,5 @@
-"""Validation images during training: the eval sampler on the EMA weights every ``train.validation_every`` steps.
+"""Validation images during training: the eval sampler on the EMA weights every ``train.validation_every`` steps,
+saved in the run dir and logged to MLflow.
 
 The first ``train.validation_prompts`` eval prompts, with ``eval``'s default steps, guidance,
 negative prompt and seeds (``eval.seed + i``), so the images line up with the phase's eval grid.
@@ -14,38 +15,40 @@ import numpy as np
 from diffusers import AutoencoderKL
 
 from sdforge.config import Params
+from sdforge.eval.grid import captioned_grid
 from sdforge.eval.sampling import Pipeline, generate
+from sdforge.training.hooks import Hook
 
 
 class Validator:
-    """Samples the validation prompts from a :class:`sdforge.training.trainer.Trainer`'s EMA weights (main rank)."""
+    """Samples the validation prompts from a :class:`~sdforge.training.job.TrainJob`'s EMA weights (main rank)."""
 
-    def __init__(self, params: Params, tr) -> None:
+    def __init__(self, params: Params, job) -> None:
         ev = params.eval
         self.every = params.train.validation_every
         self.prompts = ev.all_prompts[: params.train.validation_prompts]
         self.steps, self.guidance, self.seed, self.negative = ev.steps, ev.guidance_scale, ev.seed, ev.negative_prompt
-        self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(tr.dist.device).eval()
+        self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(job.dist.device).eval()
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` gets validation images."""
         return self.every > 0 and step % self.every == 0
 
-    def images(self, tr) -> list[np.ndarray]:
-        """One RGB uint8 image per validation prompt from ``tr``'s EMA weights; the live weights are put back."""
-        unet = tr.unet
+    def images(self, job) -> list[np.ndarray]:
+        """One RGB uint8 image per validation prompt from the job's EMA weights; the live weights are put back."""
+        unet, cond, ema, trainable = job.model.unet, job.conditioning, job.optim.ema, job.model.trainable
         pipe = Pipeline(
             unet,
             self.vae,
-            tr.text_encoder,
-            tr.tokenizer,
-            dict(tr.scheduler.config),
+            cond.text_encoder,
+            cond.tokenizer,
+            dict(cond.scheduler.config),
             checkpoint_hash="",
-            objective=tr.objective,
-            flow_shift=tr.phase.flow_shift,
+            objective=job.objective,
+            flow_shift=job.phase.flow_shift,
         )
-        tr.ema.store(tr.trainable)
-        tr.ema.copy_to(tr.trainable)
+        ema.store(trainable)
+        ema.copy_to(trainable)
         unet.eval()
         try:
             return generate(
@@ -59,4 +62,37 @@ class Validator:
             )
         finally:
             unet.train()
-            tr.ema.restore(tr.trainable)
+            ema.restore(trainable)
+
+
+VALIDATION_DIR = "validation"
+"""In the run dir: ``validation/step-NNNNNNNN.png``, one captioned grid per validation step."""
+
+
+class ValidationHook(Hook):
+    """Every ``train.validation_every`` steps the main rank samples a captioned grid into the run dir and hands it
+    to the reports (``report.artifacts``: MLflow logs it under ``validation/``); the other ranks wait for it in the
+    next step (``busy_after``)."""
+
+    def __init__(self, params: Params, run_dir: Path):
+        self.params, self.run_dir = params, Path(run_dir)
+        self.every = params.train.validation_every
+        self.validator = None
+
+    def start(self, job) -> None:
+        if job.dist.is_main:
+            self.validator = Validator(self.params, job)
+
+    def busy_after(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def after_step(self, job, report) -> None:
+        if self.validator is None or not self.validator.due(report.step):
+            return
+        with job.busy("validation"):
+            images = self.validator.images(job)
+        grid = captioned_grid(images, self.validator.prompts, columns=len(images))
+        path = self.run_dir / VALIDATION_DIR / f"step-{report.step:08d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(path)
+        report.artifacts.append((path, VALIDATION_DIR))

@@ -30,6 +30,7 @@ import torch
 
 from sdforge.io import InputError
 from sdforge.training.exits import HUNG, write_marker
+from sdforge.training.hooks import Hook
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ AUTO_STEPS = 20.0
 """Auto timeout: ``AUTO_STEPS`` × the slowest step so far, at least ``AUTO_FLOOR_S``."""
 LONG_OP_FACTOR = 10.0
 """Startup, checkpoint writes and validation may take this many timeouts."""
+ON_FIRE_S = 15.0
+"""How long a firing watchdog waits for its ``on_fire`` report (a tracking server may be down too)."""
 
 
 class RankMismatch(InputError):
@@ -78,8 +81,13 @@ def _short(value) -> str:
 class Watchdog:
     """See the module docstring. ``timeout_s`` None: automatic."""
 
-    def __init__(self, dist, timeout_s: float | None, store=None, interval_s: float | None = None, run_dir=None):
+    def __init__(
+        self, dist, timeout_s: float | None, store=None, interval_s: float | None = None, run_dir=None, on_fire=None
+    ):
         self.dist, self.fixed, self.run_dir = dist, timeout_s, run_dir
+        self.on_fire = on_fire
+        """Called with the diagnosis before the process exits (bounded: :data:`ON_FIRE_S`), e.g. to end the
+        MLflow run as KILLED."""
         self.store = store if store is not None else _default_store(dist)
         self.slowest = 0.0
         self.step = -1
@@ -218,6 +226,10 @@ class Watchdog:
         sys.stderr.flush()
         if self.run_dir is not None:
             write_marker(self.run_dir, HUNG, {"rank": rank, "step": step, "stalled_s": round(stalled, 1), "why": why})
+        if self.on_fire is not None:
+            reporter = threading.Thread(target=self.on_fire, args=(f"hung after step {step}: {why}",), daemon=True)
+            reporter.start()
+            reporter.join(ON_FIRE_S)
         os._exit(HUNG)
 
 
@@ -232,3 +244,40 @@ def _default_store(dist):
     except Exception as err:  # noqa: BLE001 - private API: without it the watchdog still fires, unnamed
         log.warning("hang watchdog: no c10d store (%s); a hang will not name the lagging rank", err)
         return None
+
+
+class WatchdogHook(Hook):
+    """Runs a :class:`Watchdog` while the job trains: a step starts and ends it, a long operation of the job
+    (:meth:`~sdforge.training.job.TrainJob.busy`) or of another rank after this step (``report.busy``:
+    validation on the main rank) gets the long allowance. On firing it ends the job's reports
+    (:meth:`~sdforge.training.job.TrainJob.abort`)."""
+
+    def __init__(self, timeout_s: float | None, run_dir):
+        self.timeout_s, self.run_dir = timeout_s, run_dir
+        self.watchdog: Watchdog | None = None
+
+    def start(self, job) -> None:
+        self.watchdog = Watchdog(job.dist, self.timeout_s, run_dir=self.run_dir, on_fire=job.abort)
+        job.busy_listeners.append(self._busy)
+
+    def _busy(self, name: str, started: bool) -> None:
+        if started:
+            self.watchdog.long_operation()
+        else:
+            self.watchdog.step_resumes()
+
+    def before_step(self, job) -> None:
+        self.watchdog.in_step(True)  # its collectives (DDP's gradient all-reduce, agree) wait for every rank
+
+    def after_step(self, job, report) -> None:
+        self.watchdog.beat(report.step)
+        if report.busy:  # until the next beat: this rank waits in the next step for the busy one
+            self.watchdog.long_operation()
+
+    def end(self, job) -> None:
+        self.close(None)
+
+    def close(self, error: BaseException | None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None

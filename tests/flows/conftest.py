@@ -173,6 +173,9 @@ REMOTE_DVC_YAML = textwrap.dedent(
     """
 )
 
+FAKE_FINGERPRINT = "fake0000fake0000"
+"""The fake train stage's run fingerprint: its S3 folder is ``ckpts/<phase>/<it>/``."""
+
 FAKE_STAGE = textwrap.dedent(
     """\
     '''Stand-ins for the real stages. Each appends its name to ran.log (untracked: what ran *here*).
@@ -183,6 +186,7 @@ FAKE_STAGE = textwrap.dedent(
 
     sys.path.insert(0, {repo!r})
     TRAIN_STEPS = 4
+    FAKE_FINGERPRINT = "{fingerprint}"
     stage, item = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     with open("ran.log", "a") as log:
         log.write(f"{{stage}}@{{item}}\\n" if item else f"{{stage}}\\n")
@@ -203,11 +207,12 @@ FAKE_STAGE = textwrap.dedent(
 
         params = load_params("params.yaml")
         s3_url, run_dir = params.train.checkpoint_s3, Path("runs") / item
-        found = resume_point(run_dir, s3_url=s3_url)
+        remote = run_url(s3_url, item, FAKE_FINGERPRINT)
+        found = resume_point(run_dir, remote=remote)
         start = int(found[1]["v"].item()) if found else 0
         die_at = int(os.environ.get("FAKE_TRAIN_DIE_AT", "0"))
         for step in range(start + 1, TRAIN_STEPS + 1):
-            RemoteRun(run_url(s3_url, run_dir)).upload(save(run_dir, step))
+            RemoteRun(remote).upload(save(run_dir, step))
             if step == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
         Path(f"model-{{item}}.txt").write_text(f"model {{item}} after {{TRAIN_STEPS}} steps\\n")
@@ -231,7 +236,7 @@ def make_remote_project(path: Path, moto_s3, phases: tuple[str, ...] = MINI_PHAS
     """A committed git + DVC project (REMOTE_DVC_YAML) whose params name ``moto_s3`` as DVC remote and
     checkpoint store. Credentials stay in the environment (the moto fixture's AWS chain)."""
     make_mini_project(path, REMOTE_DVC_YAML)
-    (path / "fake_stage.py").write_text(FAKE_STAGE.format(repo=str(REPO)))
+    (path / "fake_stage.py").write_text(FAKE_STAGE.format(repo=str(REPO), fingerprint=FAKE_FINGERPRINT))
     params = yaml.safe_load((path / "params.yaml").read_text())
     params["phases"] = {k: v for k, v in params["phases"].items() if k in phases}
     params["storage"] = {

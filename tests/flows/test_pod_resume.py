@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import artifacts_of, free_port, fresh_clone, make_remote_project, ran_here
+from tests.flows.conftest import FAKE_FINGERPRINT, artifacts_of, free_port, fresh_clone, make_remote_project, ran_here
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_pod_dies_mid_train_and_a_fresh_clone_resumes(tmp_path, moto_s3, prefect
     assert died.is_failed()
     assert ran_here(pod1) == ["prepare", "mix_phase@phase1", "train@phase1"]
     keys = [o["Key"] for o in moto_s3.client.list_objects_v2(Bucket=moto_s3.bucket)["Contents"]]
-    assert f"ckpts/phase1/checkpoint-00000002/{COMPLETE}" in keys
+    assert f"ckpts/phase1/{FAKE_FINGERPRINT}/checkpoint-00000002/{COMPLETE}" in keys
     assert not any("checkpoint-00000003" in k for k in keys)
     monkeypatch.delenv("FAKE_TRAIN_DIE_AT")
 

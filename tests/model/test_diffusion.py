@@ -96,7 +96,7 @@ def test_lr_schedule_matches_closed_form_every_step():
     total = optimizer_steps(100, 24, 2, 4)  # accumulation 2 and a partial last batch
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([param], lr=peak)
-    sched = build_lr_scheduler(opt, warmup, total)
+    sched = build_lr_scheduler(opt, peak, warmup, total)
     seen = []
     for _step in range(total):
         seen.append(opt.param_groups[0]["lr"])
@@ -108,6 +108,24 @@ def test_lr_schedule_matches_closed_form_every_step():
     assert max(seen) == pytest.approx(peak)
     assert lr_at(total, peak, warmup, total) == pytest.approx(peak * 1e-2)
     assert math.isclose(seen[warmup], peak)
+
+
+def test_lr_schedule_rebuilt_after_warmup_keeps_its_peak_and_floor():
+    """A schedule rebuilt while warm-up has the optimizer at peak × 1e-2 (a run resumed on another world size
+    before its first checkpoint) is the same schedule: it ends at peak × 1e-2, not peak × 1e-4."""
+    peak, warmup, total = 1e-3, 2, 6
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=peak)
+    build_lr_scheduler(opt, peak, warmup, total)
+    assert opt.param_groups[0]["lr"] == pytest.approx(peak * 1e-2)  # warm-up's first LR
+    sched = build_lr_scheduler(opt, peak, warmup, total)
+    seen = []
+    for _step in range(total + 2):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen[:total] == pytest.approx([lr_at(s, peak, warmup, total) for s in range(total)], rel=1e-9)
+    assert min(seen) == pytest.approx(peak * 1e-2)
 
 
 def test_noise_offset_shifts_each_channel_mean():

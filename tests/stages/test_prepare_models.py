@@ -120,8 +120,7 @@ def test_trainer_reads_the_uncond_file_and_falls_back_without_it(tmp_path):
     from safetensors.torch import save_file
 
     from sdforge.config import load_params
-    from sdforge.training.distributed import Dist
-    from sdforge.training.trainer import Trainer
+    from sdforge.training.conditioning import Conditioning
     from tests.fixtures.training import build_workspace
 
     params = load_params(build_workspace(tmp_path))
@@ -129,10 +128,10 @@ def test_trainer_reads_the_uncond_file_and_falls_back_without_it(tmp_path):
     computed = load_file(path)["uncond"]
     marker = torch.full_like(computed, 0.25)
     save_file({"uncond": marker}, path)
-    dist = Dist(0, 1, 0, torch.device("cpu"))
-    assert torch.equal(Trainer(params, "phase1", dist).uncond, marker)
+    models, cpu = Path(params.paths.models), torch.device("cpu")
+    assert torch.equal(Conditioning(models, cpu, "fp32").uncond, marker)
     path.unlink()
-    assert torch.equal(Trainer(params, "phase1", dist).uncond, computed)  # encodes "" itself, as before
+    assert torch.equal(Conditioning(models, cpu, "fp32").uncond, computed)  # encodes "" itself, as before
 
 
 def test_two_runs_give_identical_weights_and_replace_stale_outputs(built, tmp_path):

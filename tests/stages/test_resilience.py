@@ -17,7 +17,9 @@ import pytest
 import torch
 import yaml
 
+from model.diffusion import lr_at
 from sdforge.training.exits import HUNG, PREEMPTED
+from sdforge.training.reporting import read_steps
 from tests.fixtures.training import REPO, build_workspace, train, weights
 
 MAX_ABS_DIFF = 1e-5
@@ -70,6 +72,15 @@ def _same_weights(a: Path, b: Path, tol: float = 0.0) -> float:
     return worst
 
 
+def _train_runs(root: Path) -> list:
+    """The MLflow ``train`` runs of the workspace at ``root``, oldest first."""
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sdforge")
+    return client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'", order_by=["attributes.start_time"])
+
+
 def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identically(straight, tmp_path):
     params = build_workspace(tmp_path)
     stopped = train(params, "phase1", env={"SDFORGE_TERM_AT_STEP": "4"})  # SIGTERM arrives between steps 4 and 5
@@ -82,6 +93,10 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identical
     assert "at step 5 (epoch 1, step 2 of it)" in resumed.stderr
     _same_weights(straight, tmp_path)
     _assert_exactly_once(tmp_path)
+    # the preempted run's MLflow run says so (issue 37: it showed FINISHED); the resumed one finished
+    preempted, finished = _train_runs(tmp_path)
+    assert preempted.info.status == "KILLED" and finished.info.status == "FINISHED"
+    assert preempted.data.tags["sdforge.end_reason"].startswith("Preempted: preempted at step 5: checkpoint")
 
 
 def test_a_checkpoint_that_cannot_fit_the_grace_is_not_written(tmp_path):
@@ -170,7 +185,9 @@ def test_a_stuck_rank_trips_the_watchdog_with_stacks_in_the_log(tmp_path):
     assert "lagging: rank(s) 1 (rank(s) 0 wait for them after step 1)" in done.stderr
     assert "Python stacks of every thread" in done.stderr and "in _hang_point" in done.stderr  # rank 1's own stack
     assert json.loads((tmp_path / "runs/phase1/HUNG.json").read_text())["step"] == 1
-    print(f"watchdog: the stage failed {took:.0f} s after it started (timeout 4 s)")
+    (run,) = _train_runs(tmp_path)  # rank 0's: ended by its watchdog, or by the error its collective then raised
+    assert run.info.status in ("KILLED", "FAILED") and run.data.tags["sdforge.end_reason"], run.info
+    print(f"watchdog: the stage failed {took:.0f} s after it started (timeout 4 s); MLflow: {run.info.status}")
 
 
 def test_the_split_prefers_the_configured_micro_batch():
@@ -233,5 +250,9 @@ def test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_anot
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "started with global batch 16: keeping it on 1 rank(s)" in resumed.stderr
     assert _metrics(tmp_path)["global_batch"] == 16
+    # the LR schedule rebuilt for the kept global batch has the phase's own peak and floor (issue 37: it took the
+    # warm-up's first LR as its peak and ended at 1e-4 × peak)
+    logged = [r["lr"] for r in read_steps(tmp_path / "runs/phase1").values()]
+    assert logged == pytest.approx([lr_at(step, 1e-3, 2, 6) for step in range(1, 7)], rel=1e-9)
     _assert_exactly_once(tmp_path)
     print(f"max |Δ weight| vs straight = {_same_weights(straight, tmp_path, MAX_ABS_DIFF_ACCUM):.3g}")

@@ -11,16 +11,22 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from sdforge.io import InputError
-from sdforge.training.step_log import read_steps
-from tests.fixtures.training import TRAIN_UNET, build_workspace, train, weights
+from sdforge.training.reporting import read_steps
+from tests.fixtures.training import TRAIN_UNET, build_workspace, clone_workspace, train, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
 # A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
 RESUME_FROM = {3: (2, "epoch 0, step 2 of it"), 4: (4, "epoch 1, step 1 of it"), 5: (4, "epoch 1, step 1 of it")}
 KILL_SEED = int(os.environ.get("SDFORGE_KILL_SEED", random.SystemRandom().randrange(2**31)))
 KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
+
+
+BOOKKEEPING = {"keep_last": 3, "save_steps": 1, "preempt_grace_s": 40.0, "hang_timeout_s": 900.0}
+"""Edited between the kill and the rerun: keys that change no weight, so the run must resume (issue 37: such an
+edit once deleted the run dir and started the phase afresh)."""
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +36,9 @@ def runs(tmp_path_factory):
     p_straight, p_killed = build_workspace(straight), build_workspace(killed)
     assert train(p_straight, "phase1").returncode == 0
     died = train(p_killed, "phase1", kill_at=KILL_AT)  # a random step after the first checkpoint
+    data = yaml.safe_load(p_killed.read_text())
+    data["train"].update(BOOKKEEPING)
+    p_killed.write_text(yaml.safe_dump(data))
     resumed = train(p_killed, "phase1")
     return straight, killed, died, resumed
 
@@ -47,6 +56,8 @@ def logged_losses(root: Path) -> list[dict[int, float]]:
 
 
 def test_sigkill_then_resume_is_bit_identical(runs):
+    """Killed at a random step; retention, checkpoint cadence, logging and grace edited; resumed: the weights and
+    reports are the uninterrupted run's, and the run dir was never replaced."""
     straight, killed, died, resumed = runs
     why = f"killed at step {KILL_AT} (SDFORGE_KILL_SEED={KILL_SEED} reproduces it)"
     resume_step, where = RESUME_FROM[KILL_AT]
@@ -77,12 +88,30 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     assert local[0] == local[1] == straight_losses, why
     redone = (killed / "runs/phase1/steps.jsonl").read_text().splitlines()
     assert len(redone) == 6 + KILL_AT - resume_step, why
+    assert [p.name for p in (killed / "runs").iterdir()] == ["phase1"]  # nothing moved aside
+
+
+def test_a_new_text_encoder_retrains_the_finished_phase(runs, tmp_path):
+    """Issue 37's defect 2: after a finished phase, changed models (here the frozen text encoder) must retrain it,
+    not resume the finished run and re-export its weights."""
+    straight = runs[0]
+    params = clone_workspace(straight, tmp_path)
+    encoder = tmp_path / "models/text_encoder/model.safetensors"
+    tensors = load_file(encoder)
+    first = sorted(tensors)[0]
+    save_file({**tensors, first: tensors[first] + 0.01}, encoder)
+    done = train(params, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics/train/phase1.json").read_text())
+    assert (metrics["resumed_at_step"], metrics["steps"]) == (0, 6)
+    assert not torch.equal(weights(straight, "phase1", "unet")["conv_in.weight"],
+                           weights(tmp_path, "phase1", "unet")["conv_in.weight"])  # fmt: skip
 
 
 def test_next_phase_starts_from_previous_ema(runs):
     straight = runs[0]
     from sdforge.config import load_params
-    from sdforge.training.trainer import load_init_unet
+    from sdforge.training.unet_init import load_init_unet
 
     params = load_params(straight / "params.yaml")
     unet = load_init_unet(straight / "checkpoints/phase1", "ema", params.models.unet.model_dump())
@@ -91,7 +120,7 @@ def test_next_phase_starts_from_previous_ema(runs):
 
 
 def test_architecture_mismatch_is_a_clear_error(runs):
-    from sdforge.training.trainer import load_init_unet
+    from sdforge.training.unet_init import load_init_unet
 
     spec = {**TRAIN_UNET, "block_out_channels": [32, 64]}
     with pytest.raises(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -32,20 +33,20 @@ def _params(params_file: Path, **phase1):
 def test_step_metrics_logged_every_n_steps(workspace, monkeypatch):
     import mlflow
 
-    from sdforge.training import trainer
+    from sdforge.training import step
     from stages import train
 
-    slow_batches = trainer.iter_batches
+    slow_batches = step.iter_batches
 
     def slow_loader(*args, **kwargs):
         for item in slow_batches(*args, **kwargs):
             time.sleep(LOADER_DELAY_S)
             yield item
 
-    monkeypatch.setattr(trainer, "iter_batches", slow_loader)
+    monkeypatch.setattr(step, "iter_batches", slow_loader)
     monkeypatch.setenv("SDFORGE_PROGRESS", "0")
     params = _params(workspace, epochs=1)  # 5 batches of 8, accum 2 → 3 optimizer steps; logged at step 2
-    metrics = train.run(params, "phase1")
+    metrics = train.run_stage(params, "phase1")
     assert metrics["steps"] == 3
 
     mlflow.set_tracking_uri(params.tracking.mlflow_uri)
@@ -76,22 +77,25 @@ def _foreign(unet, wrap) -> dict:
 )
 def test_phase_init_path_loads_foreign_weights(workspace, tmp_path, name, wrap):
     from sdforge.training.distributed import init_distributed
-    from sdforge.training.trainer import Trainer, load_init_unet
+    from sdforge.training.job import TrainJob
+    from sdforge.training.unet_init import load_init_unet
 
     params = _params(workspace)
     base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())
     path = tmp_path / name
     sd = _foreign(base, wrap)
     save_file(sd, path) if name.endswith(".safetensors") else torch.save(sd, path)
-    tr = Trainer(_params(workspace, init_path=str(path)), "phase1", init_distributed())
+    job = TrainJob(_params(workspace, init_path=str(path)), "phase1", init_distributed())
     for k, v in base.state_dict().items():
-        assert torch.equal(tr.unet.state_dict()[k], v + 1), k
-    assert all(torch.equal(s, p) for s, p in zip(tr.ema.shadow_params, tr.unet.parameters(), strict=True))
+        assert torch.equal(job.model.unet.state_dict()[k], v + 1), k
+    shadow, live = job.optim.ema.shadow_params, job.model.unet.parameters()
+    assert all(torch.equal(s, p) for s, p in zip(shadow, live, strict=True))
 
 
 def test_phase_init_path_mismatch_names_keys_and_file(workspace, tmp_path):
     from sdforge.training.distributed import init_distributed
-    from sdforge.training.trainer import Trainer, load_init_unet
+    from sdforge.training.job import TrainJob
+    from sdforge.training.unet_init import load_init_unet
 
     params = _params(workspace)
     base = load_init_unet(Path(params.paths.checkpoints) / "scratch", "live", params.models.unet.model_dump())
@@ -100,9 +104,38 @@ def test_phase_init_path_mismatch_names_keys_and_file(workspace, tmp_path):
     path = tmp_path / "bad.safetensors"
     save_file(sd, path)
     with pytest.raises(InputError) as err:
-        Trainer(_params(workspace, init_path=str(path)), "phase1", init_distributed())
+        TrainJob(_params(workspace, init_path=str(path)), "phase1", init_distributed())
     msg = str(err.value)
     assert str(path) in msg and "1 missing (conv_out.bias)" in msg
     assert "1 shape mismatches (conv_in.weight: [1, 1, 1, 1] vs model [16, 4, 3, 3])" in msg
     with pytest.raises(InputError, match="no such file"):
-        Trainer(_params(workspace, init_path=str(tmp_path / "nope.pt")), "phase1", init_distributed())
+        TrainJob(_params(workspace, init_path=str(tmp_path / "nope.pt")), "phase1", init_distributed())
+
+
+def test_a_failed_run_ends_failed_in_mlflow_with_the_reason(workspace, tmp_path, monkeypatch):
+    """Issue 37: a phase that fails shows FAILED (it showed FINISHED), the error as the end reason."""
+    import mlflow
+
+    from sdforge.training.hooks import Hook
+    from sdforge.training.reporting import TrackingHook
+    from stages import train
+    from tests.fixtures.training import clone_workspace
+
+    class Boom(Hook):
+        def after_step(self, job, report):
+            if report.step == 2:
+                raise RuntimeError("boom at step 2")
+
+    monkeypatch.setenv("SDFORGE_PROGRESS", "0")
+    params = _params(clone_workspace(workspace.parent, tmp_path))
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)  # an earlier test's run: this one starts afresh
+    tracking = TrackingHook(params, "phase1", Path(params.paths.runs) / "phase1")
+    with pytest.raises(RuntimeError, match="boom at step 2"):
+        train.run(params, "phase1", hooks=[tracking, Boom()])
+    client = mlflow.MlflowClient(params.tracking.mlflow_uri)
+    exp = client.get_experiment_by_name(params.tracking.experiment)
+    run = client.search_runs([exp.experiment_id], filter_string="tags.`sdforge.stage` = 'train'",
+                             order_by=["attributes.start_time DESC"])[0]  # fmt: skip
+    assert run.info.status == "FAILED"
+    assert run.data.tags["sdforge.end_reason"].startswith("RuntimeError: boom at step 2 (at ")
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2]  # logged before it failed

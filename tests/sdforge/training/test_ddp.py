@@ -85,7 +85,7 @@ def test_two_process_run_through_the_stage_cli(two_ranks):
     assert metrics["steps"] == 6  # 48 samples / (2 ranks × batch 4 × accum 2) = 3 steps × 2 epochs
     assert np.isfinite(metrics["final_loss"])
     from sdforge.config import load_params
-    from sdforge.training.trainer import load_init_unet
+    from sdforge.training.unet_init import load_init_unet
 
     spec = load_params(two / "params.yaml").models.unet.model_dump()
     init = weights(two, "scratch", "unet")

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from sdforge.config import Train
+from sdforge.training import cli as training_cli
 from sdforge.training.launch import launch, needs_launch, torchrun_command
 from stages import train as train_stage
 from tests.fixtures.training import run_node_agents
@@ -110,7 +111,7 @@ def test_stage_entry_relaunches_and_fails_with_the_status(tmp_path, monkeypatch,
     phase = next(iter(yaml.safe_load(params.read_text())["phases"]))
     argv = ["--params", str(params), "--item", phase]
     seen = []
-    monkeypatch.setattr(train_stage, "launch", lambda cmd: seen.append(cmd) or 3)
+    monkeypatch.setattr(training_cli, "launch", lambda cmd: seen.append(cmd) or 3)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exc:
@@ -124,15 +125,16 @@ def test_a_torchrun_rank_trains_instead_of_relaunching(tmp_path, monkeypatch):
     params = _params_with(tmp_path, nproc_per_node=2)
     argv = ["--params", str(params), "--item", "phase1"]
     calls = []
-    monkeypatch.setattr(train_stage, "launch", lambda cmd: pytest.fail("a rank must not relaunch"))
-    monkeypatch.setattr(train_stage, "stage_cli", lambda *a, **k: calls.append("rank0: stage_cli"))
+    monkeypatch.setattr(training_cli, "launch", lambda cmd: pytest.fail("a rank must not relaunch"))
+    monkeypatch.setattr(training_cli, "run_stage_command", lambda *a, **k: calls.append("rank0: run_stage_command"))
     monkeypatch.setattr(train_stage, "run", lambda params, item: calls.append(f"rank1: run {item}"))
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
     train_stage.main(argv)
     monkeypatch.setenv("RANK", "1")
     train_stage.main(argv)
-    assert calls == ["rank0: stage_cli", "rank1: run phase1"]  # only rank 0 goes through stage_cli (metrics JSON)
+    # only rank 0 goes through the stage command (metrics JSON, MLflow)
+    assert calls == ["rank0: run_stage_command", "rank1: run phase1"]
 
 
 TWO_NODE_WORKER = textwrap.dedent("""

@@ -12,7 +12,7 @@ from sdforge.config import ConfigError, Phase, parse_params
 from sdforge.io import InputError
 from sdforge.training import optimizers
 from sdforge.training.optimizers import build_optimizer
-from sdforge.training.trainer import phase_loss
+from sdforge.training.step import phase_loss
 from tests.fixtures.training import tiny_params
 
 BASE = {"mix": {"laion": 1.0}, "samples": 8, "lr": 1e-3, "min_snr_gamma": None}

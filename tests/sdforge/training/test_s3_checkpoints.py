@@ -16,9 +16,13 @@ from sdforge.training.resume import resume_point
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url, split_s3_url
 from tests.fixtures.checkpoints import save
 
+FINGERPRINT = "0123456789abcdef"
+"""The run's input fingerprint: its remote folder is ``ckpts/<phase>/<fingerprint>/``."""
+PREFIX = f"ckpts/phase1/{FINGERPRINT}"
+
 
 def remote_for(moto_s3, run_dir, **kwargs) -> RemoteRun:
-    return RemoteRun(run_url(moto_s3.url("ckpts"), run_dir), **kwargs)
+    return RemoteRun(run_url(moto_s3.url("ckpts"), run_dir.name, FINGERPRINT), **kwargs)
 
 
 def keys(moto_s3, prefix: str = "") -> list[str]:
@@ -46,8 +50,8 @@ def test_upload_marker_last_and_download_roundtrip(moto_s3, tmp_path):
     order: list[str] = []
     upload = remote.s3.upload_file
     remote.s3.upload_file = lambda path, bucket, key, **kw: (order.append(key), upload(path, bucket, key, **kw))
-    assert remote.upload(ckpt) == f"s3://{moto_s3.bucket}/ckpts/phase1/checkpoint-00000004"
-    assert order[-1] == "ckpts/phase1/checkpoint-00000004/COMPLETE" and len(order) == 7
+    assert remote.upload(ckpt) == f"s3://{moto_s3.bucket}/{PREFIX}/checkpoint-00000004"
+    assert order[-1] == f"{PREFIX}/checkpoint-00000004/COMPLETE" and len(order) == 7
     [found] = remote.complete()
     assert (found.step, found.manifest["loss"], found.manifest["world"]) == (4, 0.5, 2)
     fresh = tmp_path / "fresh/phase1"
@@ -67,9 +71,9 @@ def test_large_files_go_multipart(moto_s3, tmp_path):
     (ckpt / COMPLETE).write_text(json.dumps(manifest))
     remote = remote_for(moto_s3, run_dir, multipart_threshold=2**20)
     remote.upload(ckpt)
-    head = moto_s3.client.head_object(Bucket=moto_s3.bucket, Key="ckpts/phase1/checkpoint-00000001/big.bin")
+    head = moto_s3.client.head_object(Bucket=moto_s3.bucket, Key=f"{PREFIX}/checkpoint-00000001/big.bin")
     assert head["ETag"].strip('"').endswith("-2")  # the ETag of a 2-part multipart upload
-    small = moto_s3.client.head_object(Bucket=moto_s3.bucket, Key="ckpts/phase1/checkpoint-00000001/state.pt")
+    small = moto_s3.client.head_object(Bucket=moto_s3.bucket, Key=f"{PREFIX}/checkpoint-00000001/state.pt")
     assert "-" not in small["ETag"]
     got = remote.download(remote.newest(), tmp_path / "fresh/phase1")
     assert (got / "big.bin").read_bytes() == big.read_bytes()
@@ -90,10 +94,10 @@ def test_partial_upload_is_ignored(moto_s3, tmp_path):
     remote.s3.upload_file = killed_before_marker
     with pytest.raises(ConnectionError):
         remote.upload(second)
-    assert any(k.startswith("ckpts/phase1/checkpoint-00000002/") for k in keys(moto_s3))
+    assert any(k.startswith(f"{PREFIX}/checkpoint-00000002/") for k in keys(moto_s3))
     assert [c.step for c in remote.complete()] == [1]
     fresh = tmp_path / "fresh/phase1"
-    ckpt, state = resume_point(fresh, s3_url=moto_s3.url("ckpts"))
+    ckpt, state = resume_point(fresh, remote=run_url(moto_s3.url("ckpts"), fresh.name, FINGERPRINT))
     assert ckpt == fresh / "checkpoint-00000001" and state["v"].item() == 1
 
 
@@ -104,12 +108,12 @@ def test_newest_of_local_and_s3(moto_s3, tmp_path, caplog):
         remote.upload(save(tmp_path / "elsewhere/phase1", step))
     save(run_dir, 2)
     with caplog.at_level(logging.INFO):
-        ckpt, state = resume_point(run_dir, s3_url=moto_s3.url("ckpts"))
+        ckpt, state = resume_point(run_dir, remote=run_url(moto_s3.url("ckpts"), run_dir.name, FINGERPRINT))
     assert ckpt.name == "checkpoint-00000003" and state["v"].item() == 3  # S3 is newer: downloaded
     assert "resuming from s3://" in caplog.text
     assert [p.name for p in checkpoint_dirs(run_dir)] == ["checkpoint-00000002", "checkpoint-00000003"]
     save(run_dir, 4)
-    ckpt, _ = resume_point(run_dir, s3_url=moto_s3.url("ckpts"))
+    ckpt, _ = resume_point(run_dir, remote=run_url(moto_s3.url("ckpts"), run_dir.name, FINGERPRINT))
     assert ckpt.name == "checkpoint-00000004"  # local is newer
 
 
@@ -118,12 +122,12 @@ def test_corrupt_remote_falls_back(moto_s3, tmp_path, caplog):
     remote = remote_for(moto_s3, run_dir)
     for step in (1, 2):
         remote.upload(save(tmp_path / "elsewhere/phase1", step))
-    key = "ckpts/phase1/checkpoint-00000002/state.pt"
+    key = f"{PREFIX}/checkpoint-00000002/state.pt"
     body = bytearray(moto_s3.client.get_object(Bucket=moto_s3.bucket, Key=key)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     moto_s3.client.put_object(Bucket=moto_s3.bucket, Key=key, Body=bytes(body))
     with caplog.at_level(logging.WARNING):
-        ckpt, state = resume_point(run_dir, s3_url=moto_s3.url("ckpts"))
+        ckpt, state = resume_point(run_dir, remote=run_url(moto_s3.url("ckpts"), run_dir.name, FINGERPRINT))
     assert ckpt.name == "checkpoint-00000001" and state["v"].item() == 1
     assert "state.pt does not match its sha256" in caplog.text
     assert not (run_dir / "checkpoint-00000002").exists()
@@ -135,12 +139,12 @@ def test_background_uploads_mirror_retention(moto_s3, tmp_path):
     (run_dir / "fingerprint.txt").write_text("abc\n")
     rule = Retention(keep_last=2, keep_every=3, keep_best=True)
     remote = remote_for(moto_s3, run_dir)
-    remote.upload(save(tmp_path / "other/phase1", 9))  # a stale run from other inputs (no fingerprint)
+    remote.upload(save(tmp_path / "other/phase1", 9))  # a checkpoint from other inputs (no fingerprint)
     uploader = BackgroundUploader(remote, run_dir, rule, sync=False)
     for step, loss in {1: 0.5, 2: 0.4, 3: 0.6, 4: 0.7, 5: 0.8, 6: 0.9}.items():
         uploader.submit(save(run_dir, step, loss, rule=rule))
     uploader.close()
-    assert [c.step for c in remote.complete()] == [2, 3, 5, 6]
+    assert [c.step for c in remote.complete()] == [2, 3, 5, 6, 9]  # pruning never deletes another run's copy
     assert [p.name for p in checkpoint_dirs(run_dir)] == [f"checkpoint-0000000{s}" for s in (2, 3, 5, 6)]
     assert not list((run_dir / ".upload").iterdir()) and uploader.failed == 0
 
@@ -159,7 +163,7 @@ def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch)
     assert train(p_straight, "phase1").returncode == 0
     died = train(p_pod, "phase1", kill_at=3)
     assert died.returncode == -9, died.stderr[-3000:]
-    assert "ckpts/phase1/checkpoint-00000002/COMPLETE" in keys(moto_s3)
+    assert any(k.endswith("/checkpoint-00000002/COMPLETE") for k in keys(moto_s3, "ckpts/phase1/"))
     shutil.rmtree(pod / "runs")  # the pod is gone: a new one starts with an empty runs dir
     monkeypatch.delenv("SDFORGE_CHECKPOINT_UPLOAD")  # background uploads: the run must wait for them at exit
     resumed = train(p_pod, "phase1")
@@ -168,5 +172,5 @@ def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch)
     for sub in ("unet", "unet_ema"):
         a, b = weights(straight, "phase1", sub), weights(pod, "phase1", sub)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after S3 resume"
-    steps = [int(k.split("/")[2].removeprefix("checkpoint-")) for k in keys(moto_s3) if k.endswith(COMPLETE)]
+    steps = [int(k.split("/")[3].removeprefix("checkpoint-")) for k in keys(moto_s3) if k.endswith(COMPLETE)]
     assert {4, 6} <= set(steps) and len(steps) <= 3  # keep_last=2 (+ the best) mirrored on S3

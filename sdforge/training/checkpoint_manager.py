@@ -1,0 +1,198 @@
+"""Saving and restoring a job's stateful components as one checkpoint (format: :mod:`sdforge.training.checkpoints`).
+
+The components are registered by name (:data:`COMPONENTS`); each has ``state_dict()`` / ``load_state_dict()``,
+and their entries share ``state.pt`` (disjoint keys, checked). The trained model writes its live weights as
+files (:meth:`~sdforge.training.trained_model.FullUNet.write_live`); each rank's RNG goes to ``rng-rank<k>.pt``;
+the sample ledger's segment is written before the checkpoint that lists it. A new piece of state is one
+registration, not an edit of the save and the load code.
+
+Each save gathers every rank's RNG state and ledger records to rank 0, which writes the ledger segment, then
+the checkpoint (with the mean loss since the previous one, over all ranks, for ``keep_best``), prunes by
+``train.keep_*``, and — with ``train.checkpoint_s3`` — queues their upload to the run's remote folder
+``<checkpoint_s3>/<phase>/<input fingerprint>/`` (a run from other inputs never shares, and so never prunes,
+another's copies). Every save is timed: :meth:`CheckpointManager.write_estimate` is what the preemption grace
+is judged by.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from sdforge.training.checkpoints import STATE, CheckpointError, Retention, capture_rng, restore_rng, rng_path
+from sdforge.training.checkpoints import save_checkpoint as write_checkpoint
+from sdforge.training.distributed import derive_rank_rng
+from sdforge.training.ledger import LEDGER_DIR, keep_only, write_segment
+from sdforge.training.resume import restore_newest
+from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
+from sdforge.training.trained_model import first_line
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("optim", "state")
+"""The job's stateful components saved in ``state.pt``: the optimization (optimizer, LR schedule, EMA) and the
+train state (progress, loss tail). The plan contributes the run's global batch, restored first (it re-plans the
+LR schedule that the optimization then loads)."""
+AVERAGED = ("recent_losses",)
+"""State entries that differ per rank (each rank's loss is over its own slice) and are saved as their mean."""
+FIRST_WRITE_BYTES_PER_S = 100e6
+"""Before a run has written a checkpoint, a write is estimated at this rate over its state's bytes (a slow
+disk with the sha256 manifest: bench/README.md, checkpoint_write); afterwards from the measured writes."""
+
+
+class CheckpointManager:
+    """The checkpoints of one job's run dir: save (every rank takes part), restore the newest good one, upload."""
+
+    def __init__(self, job, run_dir: Path, fingerprint: str):
+        self.job, self.run_dir = job, run_dir
+        cfg = job.cfg
+        self.retention = Retention(cfg.keep_last, cfg.keep_every, cfg.keep_best)
+        self.remote = run_url(cfg.checkpoint_s3, job.phase_name, fingerprint) if cfg.checkpoint_s3 else None
+        self.uploader = None
+        self.last_save_s: float | None = None
+        self.mark = 0  # losses before this index were in the previous checkpoint's mean
+
+    # -- restore ---------------------------------------------------------------------------
+    def restore_newest(self) -> Path | None:
+        """Restore the newest checkpoint that restores in full on every rank (local or remote); then keep only
+        its ledger segments (main rank). Its path, or None on a fresh start."""
+        dist = self.job.dist
+        restored = restore_newest(self.run_dir, self.restore, rank=dist.rank, world=dist.world, remote=self.remote)
+        if dist.is_main:
+            keep_only(self.run_dir, self.job.state.ledger_segments)
+        self.mark = len(self.job.state.losses)
+        return restored
+
+    def restore(self, ckpt: Path, state: dict) -> None:
+        """Load live weights, every component's state and this rank's RNG (``state["rng"]``) from ``ckpt``.
+
+        Any failure is a CheckpointError naming the file, so :func:`sdforge.training.resume.restore_newest` can
+        fall back to an older checkpoint.
+        """
+        job = self.job
+        job.model.load_live(ckpt)
+        global_batch = state.get("global_batch")
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise CheckpointError(f"{ckpt / STATE}: no global batch recorded (written by an older sdforge)")
+        if global_batch != job.plan.global_batch:
+            job.set_global_batch(global_batch)  # another world size: keep the run's global batch
+        try:
+            for name in COMPONENTS:
+                getattr(job, name).load_state_dict(state)
+        except Exception as err:
+            why = f"{type(err).__name__}: {first_line(err)}"
+            raise CheckpointError(f"{ckpt / STATE}: not this run's state ({why})") from err
+        self._restore_rng(ckpt, state)
+        p = job.state.progress
+        log.info("resumed from %s at step %d (epoch %d, step %d of it)", ckpt, p.step, p.epoch, p.batch)
+
+    def _restore_rng(self, ckpt: Path, state: dict) -> None:
+        job = self.job
+        same_world = state.get("world", job.dist.world) == job.dist.world
+        try:
+            if same_world:
+                restore_rng(state["rng"], job.state.generator, job.dist.device)
+            else:
+                job.state.generator.set_state(state["rng"]["generator"])
+        except Exception as err:
+            rng = rng_path(ckpt, job.dist.rank if same_world else 0)
+            raise CheckpointError(f"{rng}: not an RNG state ({type(err).__name__}: {first_line(err)})") from err
+        if not same_world:
+            derive_rank_rng(job.cfg.seed, job.state.progress.step, job.dist.rank)
+            split = job.plan.split
+            log.warning(
+                "resuming a checkpoint of %d rank(s) on %d: global batch %d kept (%d × %d accumulation per rank); "
+                "each sample is trained exactly once, per-rank RNG re-derived from (seed, step, rank)",
+                state["world"], job.dist.world, split.global_batch, split.micro, split.accum,
+            )  # fmt: skip
+
+    # -- save ------------------------------------------------------------------------------
+    def write_estimate(self) -> float:
+        """Seconds a checkpoint write is expected to take: the slowest measured one (+25 %), else by size."""
+        if self.last_save_s is not None:
+            return 1.25 * self.last_save_s
+        weights = sum(p.numel() * p.element_size() for p in self.job.model.trainable)
+        return 4 * weights / FIRST_WRITE_BYTES_PER_S  # live + EMA + AdamW's two moments
+
+    def save(self) -> Path | None:
+        """Write a checkpoint at the current step (every rank takes part); its path on rank 0."""
+        t0 = time.perf_counter()
+        with self.job.busy("checkpoint"):
+            path = self._save()
+        self.last_save_s = max(time.perf_counter() - t0, self.last_save_s or 0.0)
+        return path
+
+    def state_dict(self) -> dict:
+        """Every component's entries of ``state.pt`` (disjoint keys) and the run's global batch."""
+        merged: dict = {"global_batch": self.job.plan.global_batch}
+        for name in COMPONENTS:
+            part = getattr(self.job, name).state_dict()
+            clash = set(merged) & set(part)
+            if clash:
+                raise ValueError(f"checkpoint components share state keys {sorted(clash)}")
+            merged.update(part)
+        return merged
+
+    def _save(self) -> Path | None:
+        job, dist = self.job, self.job.dist
+        losses, state = job.state.losses, self.state_dict()
+        recent, self.mark = losses[self.mark :], len(losses)
+        loss = sum(recent) / len(recent) if recent else None
+        rng, records = [capture_rng(job.state.generator, dist.device)], [job.state.ledger.take()]
+        if dist.world > 1:
+            loss, rng, records = _gather_to_main(dist, recent, state, rng[0], records[0])
+        path = None
+        if dist.is_main:
+            self._write_ledger(records)
+            path = write_checkpoint(
+                self.run_dir, job.state.progress, job.model.write_live, state, self.retention,
+                rng=rng, loss=loss, config=job.params.model_dump(mode="json"), ledger=job.state.ledger_segments,
+            )  # fmt: skip
+            self._upload(path)
+        if dist.world > 1:
+            torch.distributed.barrier()
+        return path
+
+    def _write_ledger(self, records: list[dict]) -> None:
+        """Rank 0: the records since the previous checkpoint as a segment, appended to the run's list."""
+        state = self.job.state
+        first = state.ledger_segments[-1]["name"] if state.ledger_segments else None
+        start = int(first.split("-")[1].split(".")[0]) + 1 if first else 1
+        if start > state.progress.step:  # nothing trained since (e.g. an epoch end right after a save)
+            return
+        entry = write_segment(self.run_dir, records, self.job.data, start, state.progress.step)
+        state.ledger_segments = [*state.ledger_segments, entry]
+
+    def _upload(self, path: Path) -> None:
+        if self.remote is None:
+            return
+        if self.uploader is None:
+            self.uploader = BackgroundUploader(RemoteRun(self.remote), self.run_dir, self.retention)
+        segments = [self.run_dir / LEDGER_DIR / e["name"] for e in self.job.state.ledger_segments]
+        self.uploader.submit(path, segments)
+
+    def close(self) -> None:
+        """Wait for pending uploads."""
+        if self.uploader:
+            self.uploader.close()
+            self.uploader = None
+
+
+def _gather_to_main(dist, recent: list[float], state: dict, rng: dict, records: dict):
+    """Over every rank: the mean of the losses since the last checkpoint, the :data:`AVERAGED` state entries
+    (averaged in place in ``state``), and (rank 0) every rank's RNG state and ledger records."""
+    total = torch.tensor([sum(recent), len(recent)], dtype=torch.float64, device=dist.device)
+    torch.distributed.all_reduce(total)
+    loss = float(total[0] / total[1]) if total[1] else None
+    for key in AVERAGED:
+        values = torch.tensor(state[key], dtype=torch.float64, device=dist.device)  # same length on every rank
+        torch.distributed.all_reduce(values)
+        state[key] = (values / dist.world).tolist()
+    gathered = [None] * dist.world if dist.is_main else None
+    torch.distributed.gather_object((rng, records), gathered, dst=0)
+    if not dist.is_main:
+        return loss, [rng], [records]
+    return loss, [g[0] for g in gathered], [g[1] for g in gathered]

@@ -1,0 +1,74 @@
+"""The frozen parts a phase trains with, read from ``paths.models``: the noise scheduler, the tokenizer, the CLIP
+text encoder (eval mode, no gradients) and the empty prompt's embedding (for CFG dropout)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from diffusers import DDPMScheduler
+from safetensors.torch import load_file
+from transformers import CLIPTextModel, CLIPTokenizer
+
+from model.sampler import encode_prompts
+from sdforge.config import Train
+
+log = logging.getLogger(__name__)
+
+UNCOND_FILE = "uncond_embedding.safetensors"
+"""The empty prompt's embedding, written once by ``prepare_models``."""
+
+
+class Conditioning:
+    """Noise scheduler, tokenizer, frozen text encoder and empty-prompt embedding on ``device``."""
+
+    def __init__(self, models: Path, device: torch.device, text_encoder_dtype: str):
+        self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
+        self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
+        self.text_encoder = _frozen_text_encoder(models, device, text_encoder_dtype)
+        self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
+        self.device = device
+
+    @torch.no_grad()
+    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32)."""
+        return self.text_encoder(input_ids.to(self.device))[0].float()
+
+
+def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
+    """The CLIP text encoder on ``device`` in eval mode without gradients; bf16 only on CUDA when asked."""
+    dtype = torch.bfloat16 if device.type == "cuda" and dtype_name == "bf16" else torch.float32
+    text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
+    text_encoder.to(device, dtype=dtype).eval()
+    text_encoder.requires_grad_(False)
+    return text_encoder
+
+
+def _uncond_embedding(models: Path, tokenizer, text_encoder, device: torch.device) -> torch.Tensor:
+    """The empty prompt's embedding: the one prepare_models wrote, else encoded now."""
+    uncond_file = models / UNCOND_FILE
+    if uncond_file.is_file():
+        return load_file(uncond_file)["uncond"].to(device)
+    return encode_prompts(tokenizer, text_encoder, [""], device).float()
+
+
+def set_kernel_policy(cfg: Train, device: torch.device) -> None:
+    """TF32 on CUDA as ``train.tf32`` says; deterministic kernels if ``train.deterministic``."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    if cfg.deterministic:
+        use_deterministic_kernels()
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels where torch has them (``train.deterministic``); ops without one only warn."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its first handle
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    log.info(
+        "train.deterministic: deterministic algorithms on (CUBLAS_WORKSPACE_CONFIG=%s)",
+        os.environ["CUBLAS_WORKSPACE_CONFIG"],
+    )

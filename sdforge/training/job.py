@@ -1,0 +1,114 @@
+"""One rank's training job of a phase, assembled from its components: the data, the frozen conditioning, the
+trained model (:mod:`~sdforge.training.trained_model`), the optimization (:mod:`~sdforge.training.optimization`),
+the plan and the train state (:mod:`~sdforge.training.state`). Hooks and the checkpoint manager read it; the
+step (:mod:`~sdforge.training.step`) advances it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from sdforge.config import Params
+from sdforge.io import InputError
+from sdforge.latents.loader import LatentIndexDataset, caption_choice
+from sdforge.training.conditioning import Conditioning, set_kernel_policy
+from sdforge.training.distributed import Dist
+from sdforge.training.optimization import Optimization
+from sdforge.training.state import Plan, TrainState
+from sdforge.training.trained_model import build_trained_model
+from sdforge.training.watchdog import fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class JobEvents:
+    """What a job tells its listeners: long operations (:meth:`busy`) and an abrupt end (:meth:`abort`)."""
+
+    def __init__(self):
+        self.busy_listeners: list = []
+        """Told when a long operation (checkpoint, validation) starts and ends: ``listener(name, started)``."""
+        self.abort_listeners: list = []
+        """Told why, when the process is about to end without unwinding (the hang watchdog): ``listener(why)``."""
+
+    @contextlib.contextmanager
+    def busy(self, name: str):
+        """Around a long operation on this rank (a checkpoint write, validation sampling): listeners (the hang
+        watchdog) allow it more time."""
+        for listener in self.busy_listeners:
+            listener(name, True)
+        try:
+            yield
+        finally:
+            for listener in self.busy_listeners:
+                listener(name, False)
+
+    def abort(self, why: str) -> None:
+        """The process ends now without unwinding (``os._exit``): tell the abort listeners (MLflow: KILLED)."""
+        for listener in self.abort_listeners:
+            try:
+                listener(why)
+            except Exception:  # noqa: BLE001 - the exit must happen whatever a report does
+                log.exception("abort listener failed")
+
+
+class TrainJob(JobEvents):
+    """The components of one phase's training on one rank."""
+
+    def __init__(self, params: Params, phase_name: str, dist: Dist):
+        super().__init__()
+        self.params, self.phase_name, self.dist = params, phase_name, dist
+        self.phase, self.cfg = params.phases[phase_name], params.train
+        set_kernel_policy(self.cfg, dist.device)
+        paths = params.paths
+        index = Path(paths.mixes) / f"{phase_name}.parquet"
+        self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
+        self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype)
+        self.objective = params.phase_objective(phase_name)
+        self.model = build_trained_model(params, self.phase, dist)
+        where = f"phases.{phase_name}.optimizer"
+        self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where,
+                                  self.model.unet.config)  # fmt: skip
+        self.set_global_batch(self.phase.batch_size * self.phase.grad_accum * dist.world)
+        self.state = TrainState(self.cfg.seed, dist.rank)
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Plan the phase for ``global_batch`` samples per step (a fresh run's, or the resumed run's): this job's
+        split of it, the steps per epoch, the LR schedule (a SplitError if it does not split)."""
+        self.plan = Plan.build(self.data, self.phase, self.phase_name, self.cfg, self.dist.world, global_batch)
+        self.optim.plan(self.plan.total_steps)
+
+    def check_plan(self) -> None:
+        """An InputError naming the keys when the phase has no optimizer step at its global batch."""
+        if self.plan.total_steps:
+            return
+        data, name = self.data, self.phase_name
+        sizes = {f"{w}x{h}": int((data.sample_bucket == b).sum()) for b, (w, h) in enumerate(data.buckets)}
+        raise InputError(
+            f"train@{name}: no optimizer step: every aspect bucket holds fewer samples than the global "
+            f"batch {self.plan.global_batch} (samples per bucket: {sizes}); lower phases.{name}.batch_size "
+            f"or grad_accum, train on fewer ranks, or give the phase more samples (phases.{name}.samples)"
+        )
+
+    def caption_choice(self, epoch: int):
+        """Per index position: the sample trains with its synthetic caption in ``epoch`` (``caption_mix``)."""
+        return caption_choice(self.data, self.cfg.seed, epoch, self.phase.synthetic_share)
+
+    def rank_facts(self, inputs_fingerprint: str) -> dict:
+        """What every rank must agree on before step 0 (:func:`sdforge.training.watchdog.check_ranks_agree`)."""
+        epochs = self.plan.all_epochs(self.data)
+        per_epoch = [len(plan.micro_batches(self.dist.rank, self.plan.split)) for plan in epochs]
+        if os.environ.get("SDFORGE_FAULT_EXTRA_BATCH_RANK") == str(self.dist.rank):  # fault injection (tests)
+            per_epoch[0] += 1
+        config = self.params.model_dump(mode="json")
+        config["train"].pop("node_rank", None)
+        split = self.plan.split
+        return {
+            "micro_batches_per_epoch": per_epoch,
+            "split": [split.micro, split.accum, split.world],
+            "resume_step": self.state.progress.step,
+            "data": fingerprint([len(self.data), self.data.buckets, self.data.sources, inputs_fingerprint]),
+            "config": fingerprint(config),
+        }

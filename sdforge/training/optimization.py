@@ -1,0 +1,69 @@
+"""How the trained weights move: the optimizer (``phases.<p>.optimizer``), the LR schedule built from the phase's
+explicit peak LR, gradient clipping and the EMA — one stateful component of a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import UNet2DConditionModel
+
+from model.diffusion import TrainingEMA, build_lr_scheduler
+from sdforge.config import Phase, Train
+from sdforge.training.optimizers import build_optimizer
+
+
+class Optimization:
+    """Optimizer, LR schedule and EMA of ``trainable``; :meth:`plan` (re)builds the schedule for a step count."""
+
+    def __init__(self, trainable: list, phase: Phase, cfg: Train, device: torch.device, where: str, unet_config):
+        self.trainable, self.cfg = trainable, cfg
+        self.peak_lr, self.warmup_steps = phase.lr, phase.warmup_steps
+        self.optimizer = build_optimizer(phase.optimizer, trainable, phase.lr, cfg, device, where)
+        self.lr_scheduler = None
+        self.ema_device = device if cfg.ema_device == "model" else torch.device("cpu")
+        self.ema = TrainingEMA(
+            trainable,
+            decay=cfg.ema_decay,
+            every=cfg.ema_update_every,
+            model_cls=UNet2DConditionModel,
+            model_config=unet_config,
+        )
+        self.ema.to(self.ema_device)
+
+    def plan(self, total_steps: int) -> None:
+        """Warm-up + cosine over ``total_steps`` optimizer steps from the phase's peak LR (none without steps:
+        a checkpoint may still bring the run's own global batch; the job refuses to train without steps)."""
+        self.lr_scheduler = (
+            build_lr_scheduler(self.optimizer, self.peak_lr, self.warmup_steps, total_steps) if total_steps else None
+        )
+
+    def step(self, step: int) -> float:
+        """Optimizer step number ``step`` (1-based): clip, step, schedule, zero the gradients, EMA (every
+        ``train.ema_update_every`` steps); return the gradient norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if step % self.cfg.ema_update_every == 0:
+            self.ema.step(self.trainable)
+        return float(grad_norm)
+
+    def lr(self) -> float:
+        """The LR of the next optimizer step."""
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "ema": self.ema.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.ema.load_state_dict(state["ema"])
+        self.ema.to(self.ema_device)
+
+    def release(self) -> None:
+        """Free the optimizer's moments (before an export: no memory beyond training's)."""
+        self.optimizer.state.clear()

@@ -1,0 +1,174 @@
+"""What a phase trains: every weight of the UNet (:class:`FullUNet`), or a LoRA/DoRA on frozen init weights
+(:class:`AdapterUNet`). One strategy object instead of ``if adapter:`` branches: the trained parameters, the
+live weights a checkpoint holds, and the folders a finished phase exports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import load_file, save_file
+
+from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
+from sdforge.config import SCRATCH, Adapter, Params, Phase
+from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
+from sdforge.training.checkpoints import CheckpointError
+from sdforge.training.distributed import Dist
+from sdforge.training.unet_init import load_foreign_weights, load_init_unet
+
+log = logging.getLogger(__name__)
+
+ADAPTER_DIR, ADAPTER_WEIGHTS = "adapter", "adapter_weights.safetensors"
+"""An adapter phase's checkpoint holds the trained tensors only: ``adapter/adapter_weights.safetensors``."""
+
+
+class FullUNet:
+    """Every UNet weight is trained; checkpoints and exports are diffusers UNet folders."""
+
+    def __init__(self, unet: torch.nn.Module, dist: Dist):
+        self.unet = unet
+        self.trainable = [p for _, p in self.named_trainable()]
+        """What the optimizer, gradient clipping and the EMA see."""
+        self.forward_module = _wrap_ddp(unet, dist)
+        """``unet`` itself on one process, else its DistributedDataParallel wrapper."""
+        self.world = dist.world
+
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trained weights by name, in a fixed order."""
+        return [(n, p) for n, p in self.unet.named_parameters() if p.requires_grad]
+
+    def no_sync(self, sync: bool):
+        """DDP's ``no_sync()`` for a micro-batch whose gradients are not all-reduced yet (else a null context)."""
+        return self.forward_module.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
+
+    def parameter_counts(self) -> dict:
+        """``trainable_params`` (what the optimizer updates), ``unet_params`` (the UNet without adapters), share."""
+        trainable, base = count_parameters(self.unet)
+        return {"trainable_params": trainable, "unet_params": base, "trainable_share": round(trainable / base, 6)}
+
+    def write_live(self, ckpt: Path) -> None:
+        """The live weights into checkpoint folder ``ckpt``: ``unet/`` (diffusers, safetensors)."""
+        self.unet.save_pretrained(ckpt / "unet", safe_serialization=True)
+
+    def load_live(self, ckpt: Path) -> None:
+        """Inverse of :meth:`write_live`; a CheckpointError naming the folder when they do not fit."""
+        live = _checkpoint_unet_weights(ckpt / "unet")
+        try:
+            self.unet.load_state_dict(live)
+        except (RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{ckpt / 'unet'}: does not fit this run's UNet ({first_line(err)})") from err
+
+    def export(self, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
+        """The UNet's current weights as ``out_dir/unet_dir``."""
+        self.unet.save_pretrained(out_dir / unet_dir, safe_serialization=True)
+
+    def describe(self) -> dict:
+        """What ``state.json`` says of the trained weights beyond the phase's figures (nothing for a full UNet)."""
+        return {}
+
+    def release(self) -> None:
+        """Drop the DDP wrapper (its reducer holds the process group) so the group can be torn down."""
+        self.forward_module = None
+        gc.collect()
+
+
+class AdapterUNet(FullUNet):
+    """A LoRA/DoRA on frozen init weights: checkpoints hold its tensors only; exports are diffusers LoRA files
+    plus plain UNets (merged or the base: ``adapter.merge``; :mod:`sdforge.training.adapter_files`)."""
+
+    def __init__(self, unet: torch.nn.Module, dist: Dist, spec: Adapter):
+        self.spec = spec
+        super().__init__(unet, dist)
+
+    def write_live(self, ckpt: Path) -> None:
+        """``adapter/adapter_weights.safetensors``: the trained tensors by name (the frozen base is the init's)."""
+        (ckpt / ADAPTER_DIR).mkdir(parents=True)
+        tensors = {n: p.detach().cpu().contiguous() for n, p in self.named_trainable()}
+        save_file(tensors, ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS)
+
+    def load_live(self, ckpt: Path) -> None:
+        path = ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS
+        try:
+            saved = load_file(path)
+        except Exception as err:
+            raise CheckpointError(f"{path}: cannot read the adapter weights ({first_line(err)})") from err
+        mine = dict(self.named_trainable())
+        if set(saved) != set(mine) or any(saved[n].shape != p.shape for n, p in mine.items()):
+            raise CheckpointError(f"{path}: not this phase's adapter (its tensors differ from adapter: in params)")
+        with torch.no_grad():
+            for name, param in mine.items():
+                param.copy_(saved[name])
+
+    def export(self, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
+        """``out_dir/adapter_dir`` (diffusers LoRA file) and ``out_dir/unet_dir`` (plain UNet)."""
+        write_lora_folder(self.unet, out_dir / adapter_dir)
+        write_plain_unet(self.unet, out_dir / unet_dir, merge=self.spec.merge)
+
+    def describe(self) -> dict:
+        return {"adapter": self.spec.model_dump()}
+
+
+def build_trained_model(params: Params, phase: Phase, dist: Dist) -> FullUNet:
+    """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
+    for training (gradient checkpointing, channels_last as ``train`` says), in its strategy object."""
+    cfg = params.train
+    init_dir = Path(params.paths.checkpoints) / phase.init_from
+    weights = "live" if phase.init_from == SCRATCH else phase.init_weights
+    unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
+    if phase.init_path:
+        load_foreign_weights(unet, Path(phase.init_path))
+    if phase.adapter is not None:
+        _add_unet_adapter(unet, phase.adapter)
+    unet.to(dist.device).train()
+    if cfg.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if cfg.channels_last:
+        unet.to(memory_format=torch.channels_last)
+    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter)
+
+
+def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter) -> None:
+    """Freeze ``unet`` and add the phase's LoRA/DoRA (:mod:`model.adapters`); log trainable vs total weights."""
+    config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, target_pattern(spec.targets, UNET_GROUPS))
+    add_adapter(unet, config)
+    n_train, n_base = count_parameters(unet)
+    log.info(
+        "%s adapter rank %d on %s: %d trainable weights, %.2f %% of the UNet's %d",
+        spec.type, spec.rank, ", ".join(spec.targets), n_train, 100 * n_train / n_base, n_base,
+    )  # fmt: skip
+
+
+def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
+    """``unet`` itself on one process, else wrapped in DistributedDataParallel."""
+    if dist.world > 1:
+        return torch.nn.parallel.DistributedDataParallel(
+            unet,
+            device_ids=[dist.local_rank] if dist.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=False,
+        )
+    return unet
+
+
+def _checkpoint_unet_weights(unet_dir: Path) -> dict[str, torch.Tensor]:
+    """The live UNet state dict of a training checkpoint, from safetensors only; a CheckpointError naming the dir."""
+    if not any(unet_dir.glob("*.safetensors")):
+        found = sorted(p.name for p in unet_dir.iterdir()) if unet_dir.is_dir() else []
+        raise CheckpointError(
+            f"{unet_dir}: no .safetensors weights (found {found or 'nothing'}); other formats are never loaded"
+        )
+    try:
+        return UNet2DConditionModel.from_pretrained(unet_dir, use_safetensors=True).state_dict()
+    except Exception as err:
+        raise CheckpointError(f"{unet_dir}: cannot load the UNet ({first_line(err)})") from err
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (library messages can run to many lines)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

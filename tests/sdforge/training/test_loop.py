@@ -1,0 +1,169 @@
+"""The loop, its hooks and the checkpoint manager on a toy job (a linear model, the real optimization, train state,
+checkpoint format and ledger): event order, checkpoint schedule, bit-identical resume, preemption, how a run's
+end reaches every hook — in milliseconds, in process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sdforge.training.checkpoint_manager import CheckpointManager
+from sdforge.training.checkpoints import checkpoint_dirs
+from sdforge.training.hooks import CheckpointHook, FaultInjectionHook, Hook, Hooks, LedgerHook, PreemptionHook
+from sdforge.training.ledger import read_ledger
+from sdforge.training.loop import train_loop
+from sdforge.training.preemption import Preempted, PreemptionNotice
+from tests.fixtures.toy_job import GLOBAL_BATCH, CrashAfter, ToyJob, toy_reader, toy_step
+
+
+class Recorder(Hook):
+    """Records every event it sees (with the step where there is one)."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def start(self, job):
+        self.events.append("start")
+
+    def before_step(self, job):
+        self.events.append("before")
+
+    def after_step(self, job, report):
+        self.events.append(("after", report.step))
+
+    def epoch_end(self, job):
+        self.events.append(("epoch_end", job.state.progress.epoch))
+
+    def end(self, job):
+        self.events.append("end")
+
+    def close(self, error):
+        self.events.append(("close", type(error).__name__ if error else None))
+
+
+def _train(job: ToyJob, hooks: list[Hook]) -> None:
+    with Hooks(hooks).running() as running:
+        train_loop(job, running, toy_step, toy_reader)
+
+
+def _run(tmp_path, stop_at: int | None = None, job: ToyJob | None = None):
+    """Train a toy job with checkpoints in ``tmp_path`` (resuming from the newest); the job and its manager."""
+    job = job or ToyJob()
+    manager = CheckpointManager(job, tmp_path, "fp")
+    manager.restore_newest()
+    hooks = [LedgerHook(), CheckpointHook(manager), CrashAfter(stop_at) if stop_at else None, FaultInjectionHook()]
+    _train(job, [h for h in hooks if h])
+    return job, manager
+
+
+def test_hooks_see_every_event_in_order():
+    rec = Recorder()
+    _train(ToyJob(), [rec])
+    steps = [("before", ("after", s)) for s in range(1, 7)]
+    flat = [e for pair in steps for e in pair]
+    want = ["start", *flat[:6], ("epoch_end", 1), *flat[6:], ("epoch_end", 2), "end", ("close", None)]
+    assert [e if e != "before" else "before" for e in rec.events] == want
+
+
+def test_checkpoints_every_save_steps_and_at_each_epoch_end(tmp_path):
+    job, _ = _run(tmp_path)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == [f"checkpoint-0000000{s}" for s in (2, 3, 4, 6)]
+    manifest = json.loads((tmp_path / "checkpoint-00000006/COMPLETE").read_text())
+    assert (manifest["step"], manifest["epoch"], manifest["batch"], manifest["global_batch"]) == (6, 2, 0, 4)
+    ledger = read_ledger(tmp_path, job.state.ledger_segments)
+    assert ledger.num_rows == 6 * GLOBAL_BATCH and ledger["step"].to_pylist()[::GLOBAL_BATCH] == [1, 2, 3, 4, 5, 6]
+    assert [e["name"] for e in manifest["ledger"]] == [e["name"] for e in job.state.ledger_segments]
+
+
+@pytest.mark.parametrize("stop_at", [1, 3, 5])
+def test_a_stopped_run_resumes_bit_identically(tmp_path, stop_at):
+    """Stopped after step ``stop_at`` (before any checkpoint, right after an epoch end's, mid-epoch 2), then resumed
+    by a fresh job (whose model starts elsewhere when there is a checkpoint to restore): weights, EMA, optimizer
+    moments and the loss tail all equal the uninterrupted run's."""
+    straight, _ = _run(tmp_path / "straight")
+    with pytest.raises(RuntimeError, match=f"crashed after step {stop_at}"):
+        _run(tmp_path / "resumed", stop_at=stop_at)
+    resumed, manager = _run(tmp_path / "resumed", job=ToyJob(model_seed=int(stop_at >= 2)))
+    assert resumed.state.progress == straight.state.progress
+    for a, b in zip(straight.model.trainable, resumed.model.trainable, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.optim.ema.shadow_params, resumed.optim.ema.shadow_params, strict=True):
+        assert torch.equal(a, b)
+    moments = [s["exp_avg_sq"] for s in straight.optim.optimizer.state_dict()["state"].values()]
+    again = [s["exp_avg_sq"] for s in resumed.optim.optimizer.state_dict()["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(moments, again, strict=True))
+    assert resumed.state.losses[-3:] == straight.state.losses[-3:]
+    ledger = read_ledger(tmp_path / "resumed", resumed.state.ledger_segments)
+    assert sorted(set(ledger["step"].to_pylist())) == [1, 2, 3, 4, 5, 6]  # every step once: none lost, none twice
+    assert ledger.num_rows == 6 * GLOBAL_BATCH
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    with pytest.raises(RuntimeError):
+        _run(tmp_path, stop_at=5)
+    state = tmp_path / "checkpoint-00000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # truncated
+    job = ToyJob(model_seed=1)
+    assert CheckpointManager(job, tmp_path, "fp").restore_newest() == tmp_path / "checkpoint-00000003"
+    assert job.state.progress.step == 3
+
+
+def test_a_checkpoint_of_another_global_batch_replans_the_job(tmp_path):
+    with pytest.raises(RuntimeError):
+        _run(tmp_path, stop_at=2)
+    job = ToyJob()
+    job.set_global_batch(8)
+    CheckpointManager(job, tmp_path, "fp").restore_newest()
+    assert job.plan.global_batch == GLOBAL_BATCH  # the run's own, from the checkpoint
+
+
+def test_sigterm_stops_at_the_step_boundary_with_a_checkpoint(tmp_path):
+    job, notice = ToyJob(), PreemptionNotice()
+    try:
+        manager = CheckpointManager(job, tmp_path, "fp")
+        preemption = PreemptionHook(notice, manager, grace_s=60.0, run_dir=tmp_path)
+        notice.received = time.monotonic()  # as if SIGTERM came before step 1
+        with pytest.raises(Preempted) as stop:
+            _train(job, [LedgerHook(), preemption, CheckpointHook(manager)])
+    finally:
+        notice.close()
+    assert stop.value.step == 1 and stop.value.checkpoint == tmp_path / "checkpoint-00000001"
+    assert json.loads((tmp_path / "PREEMPTED.json").read_text())["step"] == 1
+    assert json.loads((tmp_path / "checkpoint-00000001/COMPLETE").read_text())["step"] == 1
+
+
+def test_every_hook_is_closed_in_reverse_order_with_the_error():
+    closed = []
+
+    class Named(Hook):
+        def __init__(self, name):
+            self.name = name
+
+        def close(self, error):
+            closed.append((self.name, str(error)))
+
+    with pytest.raises(RuntimeError, match="crashed after step 2"):
+        _train(ToyJob(), [Named("first"), CrashAfter(2), Named("last")])
+    assert closed == [("last", "crashed after step 2"), ("first", "crashed after step 2")]
+
+
+def test_the_state_components_share_no_key_and_round_trip(tmp_path):
+    job, manager = _run(tmp_path)
+    state = manager.state_dict()
+    assert set(state) == {"optimizer", "lr_scheduler", "ema", "recent_losses", "global_batch"}
+    saved = torch.load(tmp_path / "checkpoint-00000006/state.pt", weights_only=True)
+    assert saved["recent_losses"] == job.state.losses[-20:] and saved["progress"] == vars(job.state.progress)
+
+
+def test_the_ledger_segment_is_written_before_the_checkpoint_that_lists_it(tmp_path):
+    _run(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoint-00000006")
+    manifest = json.loads((tmp_path / "checkpoint-00000004/COMPLETE").read_text())
+    names = [e["name"] for e in manifest["ledger"]]
+    assert names == ["00000001-00000002.parquet", "00000003-00000003.parquet", "00000004-00000004.parquet"]
+    assert pq.read_table(tmp_path / "ledger" / names[-1]).num_rows == GLOBAL_BATCH
