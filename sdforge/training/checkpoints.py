@@ -2,7 +2,7 @@
 
 Layout of one checkpoint ``<run_dir>/checkpoint-<step:08d>/``:
 - ``unet/`` — live weights (``save_pretrained``, safetensors); an adapter phase writes ``adapter/`` instead
-  (the trained tensors only: :meth:`sdforge.training.trainer.Trainer.write_live_weights`);
+  (the trained tensors only: :meth:`sdforge.training.trained_model.AdapterUNet.write_live`);
 - ``state.pt`` — optimizer, LR scheduler, EMA (shadow params), progress (step/epoch/batch), loss, global batch;
 - ``rng-rank<k>.pt`` — one per rank: python ``random``, numpy, torch CPU/CUDA and the rank's generator;
 - ``config.json`` — the resolved params the run was started with;
