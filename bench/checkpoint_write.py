@@ -63,7 +63,9 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from bench._common import load_average, machine, result_line
@@ -71,7 +73,13 @@ from model.builders import build_unet, count_parameters, unet_config
 from model.diffusion import TrainingEMA, build_lr_scheduler
 from sdforge.config import load_params
 from sdforge.training import checkpoints
+from sdforge.training.async_checkpoint import MEMORY_MARGIN_BYTES, memory_available
+from sdforge.training.checkpoint_manager import CheckpointManager
 from sdforge.training.checkpoints import Progress, Retention, capture_rng, save_checkpoint
+from sdforge.training.distributed import Dist
+from sdforge.training.job import JobEvents
+from sdforge.training.state import TrainState
+from sdforge.training.trained_model import FullUNet
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_PARAMS = REPO / "configs" / "full" / "params.yaml"
@@ -146,7 +154,7 @@ def write_ours(unet, state: dict, rng: list, config: dict, run_dir: Path) -> dic
 
     def write_weights(folder: Path) -> None:
         marks["weights_start"] = time.perf_counter()
-        unet.save_pretrained(folder / "unet", safe_serialization=True)
+        FullUNet(unet, Dist(0, 1, 0, torch.device("cpu"))).write_live(folder)
         marks["weights_end"] = time.perf_counter()
 
     real_file_table = checkpoints._file_table
@@ -189,6 +197,62 @@ def write_ours(unet, state: dict, rng: list, config: dict, run_dir: Path) -> dic
     }
 
 
+class _StateJob(JobEvents):
+    """What :class:`sdforge.training.checkpoint_manager.CheckpointManager` reads of a job, over a built state."""
+
+    def __init__(self, unet, state: dict, params, setting: str):
+        super().__init__()
+        self.params, self.phase_name = params, "bench"
+        self.cfg = params.train.model_copy(update={"async_checkpoint": setting, "keep_last": 1, "checkpoint_s3": None})
+        self.dist = Dist(0, 1, 0, torch.device("cpu"))
+        self.model = FullUNet(unet, self.dist)
+        self.plan = SimpleNamespace(global_batch=GLOBAL_BATCH)
+        self.optim = SimpleNamespace(state_dict=lambda: {k: state[k] for k in ("optimizer", "lr_scheduler", "ema")})
+        self.state = TrainState(0, 0)
+        empty = np.zeros(0, np.int64)
+        self.data = SimpleNamespace(sources=["bench"], source_code=empty, shard=empty, row=empty)
+
+
+def measure_stall(unet, state: dict, params, run_dir: Path) -> dict[str, float]:
+    """The real checkpoint manager writing in the background (``async_checkpoint: on``): how long two saves hold
+    the step (the first allocates the host buffers, the second reuses them) and how long each write then takes
+    in the background; the two checkpoints verify."""
+    job = _StateJob(unet, state, params, "on")
+    manager = CheckpointManager(job, run_dir, "bench")
+    stalls, writes = [], []
+    for step in (STEP, STEP + 1):
+        job.state.progress.step = step
+        t0 = time.perf_counter()
+        manager.save()
+        stalls.append(time.perf_counter() - t0)
+        path = manager.finish_writes()  # a real run trains on here; the bench waits to time the write alone
+        writes.append(time.perf_counter() - t0 - stalls[-1])
+        checkpoints.verify_checkpoint(path)
+    manager.close()
+    return {"first_stall_s": stalls[0], "stall_s": stalls[1], "async_write_s": max(writes),
+            "buffers_bytes": manager.buffers.nbytes}  # fmt: skip
+
+
+def scaled_spec(spec: dict, scale: float) -> dict:
+    """``spec`` with every block width × ``scale``, in multiples of 64 (32 norm groups, 8 heads)."""
+    return {**spec, "block_out_channels": [max(64, round(w * scale / 64) * 64) for w in spec["block_out_channels"]]}
+
+
+def parameters_of(spec: dict) -> int:
+    with torch.device("meta"):
+        return count_parameters(build_unet(unet_config(spec), seed=0))
+
+
+def fitting_scale(spec: dict) -> float:
+    """1.0 when the state and its host copy (2 × 16 bytes per parameter) fit in free memory, else the largest
+    width scale, in steps of 0.05, that does."""
+    free = memory_available() - MEMORY_MARGIN_BYTES
+    for scale in [1 - 0.05 * i for i in range(15)]:
+        if 32 * parameters_of(scaled_spec(spec, scale)) <= free:
+            return round(scale, 2)
+    return 0.3
+
+
 def write_baseline(unet, state: dict, out: Path) -> dict[str, float]:
     """The plain writes (``save_pretrained`` + ``torch.save``) + ``os.sync()``, timed."""
     out.mkdir(parents=True)
@@ -207,19 +271,24 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the temporary checkpoints go (same filesystem as the runs, ideally)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (model build only)")
     ap.add_argument("--baseline-first", action="store_true", help="write the baseline before ours (order check)")
+    ap.add_argument("--scale", default="auto", help="block-width scale of the UNet; auto: 1 when the state and a "
+                    "host copy of it fit in free memory (the background write's), else the largest that does")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     params = load_params(FULL_PARAMS)
     spec = QUICK_UNET if args.quick else params.models.unet.model_dump()
+    scale = 1.0 if args.quick else fitting_scale(spec) if args.scale == "auto" else float(args.scale)
+    spec = scaled_spec(spec, scale) if scale != 1.0 else spec
     config = params.model_dump(mode="json")
-    print(f"machine: {machine()}; load average {load_average()}; {'quick' if args.quick else 'full size'}")
+    size_name = "quick" if args.quick else "full size" if scale == 1.0 else f"width scale {scale} (2 copies must fit)"
+    print(f"machine: {machine()}; load average {load_average()}; {size_name}")
 
     t0 = time.perf_counter()
     unet, state, n_params = build_state(spec)
     rng = [capture_rng(torch.Generator(), torch.device("cpu"))]
     print(f"built UNet ({n_params:,} params) + AdamW + EMA in {time.perf_counter() - t0:.1f} s; "
           f"peak RSS {peak_rss_mib():.0f} MiB")  # fmt: skip
-    if not args.quick and n_params != SD1_UNET_PARAMS:
+    if not args.quick and scale == 1.0 and n_params != SD1_UNET_PARAMS:
         raise SystemExit(f"full UNet has {n_params:,} parameters, expected {SD1_UNET_PARAMS:,}")
 
     created = [d for d in (args.dir, *args.dir.parents) if not d.exists()]  # removed again at the end, if empty
@@ -239,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(tmp / "ours")
         if not args.baseline_first:
             base = write_baseline(unet, state, tmp / "baseline")
+        shutil.rmtree(tmp / "baseline", ignore_errors=True)
+        stall = measure_stall(unet, state, params, tmp / "async")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in created:  # deepest first
@@ -252,16 +323,20 @@ def main(argv: list[str] | None = None) -> None:
     size = ours["bytes"]
     print(f"ours: {ours_s:.2f} s for {size:,} bytes in {ours['files']} files "
           f"(unet/ {ours['unet_bytes']:,}, state.pt {ours['state_bytes']:,})")  # fmt: skip
-    print(f"  unet save_pretrained {ours['weights_s']:.2f} s, state.pt + rng + config {ours['state_s']:.2f} s, "
+    print(f"  unet weights {ours['weights_s']:.2f} s, state.pt + rng + config {ours['state_s']:.2f} s, "
           f"sha256 manifest {hash_s:.2f} s ({size / hash_s / 1e6:.0f} MB/s), COMPLETE + rename + prune "
           f"{ours['finish_s']:.3f} s, final os.sync {ours['sync_s']:.2f} s")  # fmt: skip
     print(f"  write (everything but the hashing) {write_s:.2f} s = {size / write_s / 1e6:.0f} MB/s")
     print(f"baseline: {baseline_s:.2f} s for {base['bytes']:,} bytes ({base['bytes'] / baseline_s / 1e6:.0f} MB/s)")
     print(f"hashing share of ours: {hash_s / ours_s:.0%}; peak RSS {peak_rss_mib():.0f} MiB; "
           f"load average {load_average()}")  # fmt: skip
+    print(f"in the background (async_checkpoint: on): the step waits {stall['stall_s']:.2f} s "
+          f"({stall['first_stall_s']:.2f} s the first time, allocating {stall['buffers_bytes'] / 2**30:.2f} GiB of "
+          f"host buffers) instead of {ours_s:.2f} s; the write then takes {stall['async_write_s']:.2f} s behind it")
     print(result_line(
         "checkpoint_write", baseline_s / ours_s, ours_s=ours_s, baseline_s=baseline_s, bytes=size,
-        write_s=write_s, hash_s=hash_s, fits_30s=yes_no(ours_s <= GRACE_PERIODS[0]),
+        write_s=write_s, hash_s=hash_s, stall_s=stall["stall_s"], first_stall_s=stall["first_stall_s"],
+        async_write_s=stall["async_write_s"], scale=scale, fits_30s=yes_no(ours_s <= GRACE_PERIODS[0]),
         fits_120s=yes_no(ours_s <= GRACE_PERIODS[1]), machine=machine(),
     ))  # fmt: skip
 

@@ -42,6 +42,7 @@ import torch
 from bench._common import load_average, machine, result_line
 from model.builders import build_unet, noise_scheduler, unet_config
 from model.precision import uses_bf16_autocast
+from model.speed import attention_backends, compile_unet
 from sdforge.config import load_params
 from sdforge.training.distributed import Dist, step_seeds
 from sdforge.training.optimization import Optimization
@@ -102,26 +103,27 @@ class _BenchJob:
     state: TrainState
     objective: str = "diffusion"
     phase_name: str = "bench"
+    attention: object = None
 
 
-def _ours(params, device, batch, ckpt, channels_last=None, compile_=False):
-    """The real step on the job's components, built without data or files (``compile_``: ``torch.compile`` the
-    UNet)."""
+def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto"):
+    """The real step on the job's components, built without data or files (``compile_``: ``train.compile``,
+    ``attention``: ``train.attention``, both through :mod:`model.speed` as the trainer applies them)."""
     phase = next(iter(params.phases.values()))
-    update = {"gradient_checkpointing": ckpt}
+    update = {"gradient_checkpointing": ckpt, "compile": compile_, "attention": attention}
     if channels_last is not None:
         update["channels_last"] = channels_last
     cfg = params.train.model_copy(update=update)
     dist = Dist(rank=0, world=1, local_rank=0, device=device)
     model = FullUNet(_build_unet(params, device, ckpt, cfg.channels_last), dist)
-    if compile_:
-        model.forward_module = torch.compile(model.unet)
+    compile_unet(model.unet, compile_)
     optim = Optimization(model.trainable, phase, cfg, device, "bench", model.unet.config)
     optim.plan(10**6)
     d = params.models.unet.cross_attention_dim
     cond = torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device)
     conditioning = _Conditioning(cond, noise_scheduler(params.models.noise.model_dump()))
-    job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0))
+    job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0),
+                    attention=attention_backends(attention, device))  # fmt: skip
     ids = torch.zeros(batch, 77, dtype=torch.long)
 
     def step(latents):
@@ -216,14 +218,15 @@ class Variant:
     batch: int
     ckpt: bool
     channels_last: bool = False
-    compile: bool = False
+    compile: str = "off"
+    attention: str = "auto"
 
     def label(self) -> str:
-        """``ours b=32 ckpt=on cl=off compile=on``."""
+        """``ours b=32 ckpt=on cl=off compile=blocks attn=auto``."""
         onoff = {True: "on", False: "off"}
         return (
             f"{self.name:5} b={self.batch:<3} ckpt={onoff[self.ckpt]:3} cl={onoff[self.channels_last]:3} "
-            f"compile={onoff[self.compile]:3}"
+            f"compile={self.compile:6} attn={self.attention:9}"
         )
 
 
@@ -234,6 +237,8 @@ class Row:
     times: list[float] = field(default_factory=list)
     peak_gib: float = 0.0
     failed: str | None = None
+    first_step_s: float = 0.0
+    """The first warm-up step of the first round (compilation happens there)."""
 
     def img_s(self, batch: int) -> float:
         """Images per second from the median timed step (0 if none)."""
@@ -243,7 +248,7 @@ class Row:
 def _make_step(params, device, v: Variant):
     if v.name == "plain":
         return _plain(params, device, v.batch, v.ckpt)
-    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile)
+    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile, v.attention)
 
 
 def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row) -> None:
@@ -257,9 +262,12 @@ def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row)
     torch.manual_seed(0)
     try:
         step = _make_step(params, device, v)
-        for _ in range(warmup):
+        for i in range(warmup):
+            t0 = time.perf_counter()
             step(latents)
-        _sync(device)
+            _sync(device)
+            if i == 0 and not row.first_step_s:
+                row.first_step_s = time.perf_counter() - t0
         for _ in range(steps):
             t0 = time.perf_counter()
             step(latents)
@@ -284,13 +292,14 @@ def measure(params, device, variants: list[Variant], warmup, steps, rounds) -> d
     return rows
 
 
-def sweep(batches, ckpts, cls, compiles) -> list[Variant]:
-    """Per (batch, checkpointing): the plain loop, then ours for every channels_last × compile setting."""
+def sweep(batches, ckpts, cls, compiles, attentions=("auto",)) -> list[Variant]:
+    """Per (batch, checkpointing): the plain loop, then ours for every channels_last × compile × attention."""
     out = []
     for batch in batches:
         for ckpt in ckpts:
             out.append(Variant("plain", batch, ckpt))
-            out += [Variant("ours", batch, ckpt, cl, comp) for cl in cls for comp in compiles]
+            switches = [(cl, comp, att) for cl in cls for comp in compiles for att in attentions]
+            out += [Variant("ours", batch, ckpt, *switch) for switch in switches]
     return out
 
 
@@ -303,7 +312,8 @@ def _report(rows: dict[Variant, Row], flops: float, peak_tflops: float | None) -
         mfu = f"{img_s * flops / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a"
         plain = rows.get(Variant("plain", v.batch, v.ckpt))
         vs = f"  x{img_s / plain.img_s(v.batch):.3f} plain" if plain and plain.times and v.name == "ours" else ""
-        print(f"  {v.label()}: {img_s:9.2f} img/s  peak {row.peak_gib:6.2f} GiB  MFU {mfu}{vs}")
+        compiled = f"  first step {row.first_step_s:.1f} s" if v.compile != "off" else ""
+        print(f"  {v.label()}: {img_s:9.2f} img/s  peak {row.peak_gib:6.2f} GiB  MFU {mfu}{vs}{compiled}")
 
 
 def best_pair(rows: dict[Variant, Row]) -> tuple[Variant, Variant] | None:
@@ -331,7 +341,8 @@ def _args(argv):
     ap.add_argument("--batch", help="comma-separated batch sizes (default: 24 for full, 32 for demo; quick 8)")
     ap.add_argument("--ckpt", choices=["off", "on", "both"], help="gradient checkpointing; default: both on CUDA")
     ap.add_argument("--channels-last", choices=["off", "on", "both"], help="ours; default: the config's train value")
-    ap.add_argument("--compile", choices=["off", "on", "both"], default="off", help="torch.compile ours (default off)")
+    ap.add_argument("--compile", default="off", help="train.compile of ours: comma-separated off, blocks, unet")
+    ap.add_argument("--attention", default="auto", help="train.attention of ours: comma-separated auto, cudnn, ...")
     ap.add_argument("--steps", type=int, help="timed steps per round")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--peak-tflops", type=float, help=f"for MFU; default {H100_BF16_DENSE_TFLOPS:g} on CUDA")
@@ -353,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         batches,
         _onoff(args.ckpt, "both" if cuda else "off"),
         _onoff(args.channels_last, "on" if params.train.channels_last else "off"),
-        _onoff(args.compile, "off"),
+        args.compile.split(","),
+        args.attention.split(","),
     )
     steps = args.steps or (3 if args.quick else 15)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -393,7 +405,9 @@ def main(argv: list[str] | None = None) -> None:
             batch=ours.batch,
             ckpt="on" if ours.ckpt else "off",
             channels_last="on" if ours.channels_last else "off",
-            compile="on" if ours.compile else "off",
+            compile=ours.compile,
+            attention=ours.attention,
+            first_step_s=o.first_step_s,
             machine=where,
         )
     )

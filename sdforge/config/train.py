@@ -53,7 +53,16 @@ class PrecisionSettings(Section):
     text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"
     """The frozen text encoder's dtype on CUDA (CPU: fp32)."""
     gradient_checkpointing: bool = False
+    """Recompute each UNet block's activations in the backward pass (non-reentrant): less memory, ~20 % slower."""
     channels_last: bool = False
+    compile: Literal["off", "blocks", "unet"] = "off"
+    """``torch.compile``: ``blocks`` compiles the UNet's repeated ResNet and transformer blocks (regional
+    compilation: each block shape once, far less compile time than the whole model), ``unet`` the whole UNet
+    module; in place, static shapes, with DDP, gradient checkpointing, adapters and the EMA (:mod:`model.speed`).
+    The compile seconds go to the train metrics (``compile.seconds``). Pays on CUDA; a CPU compiles slowly."""
+    attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    """The UNet's scaled-dot-product-attention kernel: ``auto`` (torch chooses) or that backend only; the CUDA
+    kernels (cudnn, flash, efficient) fall back to ``auto`` on a CPU."""
     deterministic: bool = False
     """``torch.use_deterministic_algorithms`` (warn-only: ops without a deterministic kernel warn, not fail),
     cuDNN autotuning off and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set: on CUDA a killed and resumed run
@@ -76,6 +85,11 @@ class CheckpointSettings(Section):
     checkpoint_s3: S3Url | None = None
     """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
     resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
+    async_checkpoint: Literal["auto", "on", "off"] = "auto"
+    """on: at the step boundary the state is copied to host memory (pinned, reused buffers on CUDA) and the
+    files, hashes, manifest and upload are written in the background while training goes on (one write in
+    flight; ``COMPLETE`` last). off: the step waits for the whole write. auto: on with CUDA; on a CPU only
+    while a second copy of the state fits in free memory (else off, logged). docs/RESILIENCE.md."""
 
 
 class ReportingSettings(Section):

@@ -16,15 +16,24 @@ is judged by.
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
 
+from sdforge.training.async_checkpoint import (
+    BackgroundWriter,
+    CheckpointWriteError,
+    HostBuffers,
+    choose_async,
+    state_bytes,
+)
 from sdforge.training.checkpoints import STATE, CheckpointError, Retention, capture_rng, restore_rng, rng_path
 from sdforge.training.checkpoints import save_checkpoint as write_checkpoint
-from sdforge.training.distributed import derive_rank_rng
+from sdforge.training.distributed import broadcast_object, derive_rank_rng
 from sdforge.training.ledger import LEDGER_DIR, keep_only, write_segment
 from sdforge.training.resume import restore_newest
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
@@ -53,7 +62,11 @@ class CheckpointManager:
         self.remote = run_url(cfg.checkpoint_s3, job.phase_name, fingerprint) if cfg.checkpoint_s3 else None
         self.uploader = None
         self.last_save_s: float | None = None
+        """The longest a save held the step (the whole write when it blocks; the snapshot when it does not)."""
         self.mark = 0  # losses before this index were in the previous checkpoint's mean
+        self.writer = BackgroundWriter()
+        self.asynchronous: bool | None = None  # decided at the first save (train.async_checkpoint)
+        self.buffers: HostBuffers | None = None
 
     # -- restore ---------------------------------------------------------------------------
     def restore_newest(self) -> Path | None:
@@ -111,18 +124,21 @@ class CheckpointManager:
 
     # -- save ------------------------------------------------------------------------------
     def write_estimate(self) -> float:
-        """Seconds a checkpoint write is expected to take: the slowest measured one (+25 %), else by size."""
-        if self.last_save_s is not None:
-            return 1.25 * self.last_save_s
-        weights = sum(p.numel() * p.element_size() for p in self.job.model.trainable)
-        return 4 * weights / FIRST_WRITE_BYTES_PER_S  # live + EMA + AdamW's two moments
+        """Seconds a checkpoint write is expected to take: the slowest measured one (+25 %; twice that while a
+        background write is still in flight), else by size."""
+        measured = self.last_save_s if self.writer.write_s is None else self.writer.write_s + (self.last_save_s or 0)
+        if measured is None:
+            weights = sum(p.numel() * p.element_size() for p in self.job.model.trainable)
+            return 4 * weights / FIRST_WRITE_BYTES_PER_S  # live + EMA + AdamW's two moments
+        return 1.25 * measured * (2 if self.writer.in_flight else 1)
 
-    def save(self) -> Path | None:
-        """Write a checkpoint at the current step (every rank takes part); its path on rank 0."""
+    def save(self, wait: bool = False) -> Path | None:
+        """Write a checkpoint at the current step (every rank takes part); its path on rank 0 once written —
+        None while it is written in the background (``train.async_checkpoint``), unless ``wait``."""
         t0 = time.perf_counter()
         with self.job.busy("checkpoint"):
-            path = self._save()
-        self.last_save_s = max(time.perf_counter() - t0, self.last_save_s or 0.0)
+            path = self._save(wait)
+        self.last_save_s = max(time.perf_counter() - t0, self.last_save_s or 0.0)  # the step's stall
         return path
 
     def state_dict(self) -> dict:
@@ -136,9 +152,10 @@ class CheckpointManager:
             merged.update(part)
         return merged
 
-    def _save(self) -> Path | None:
+    def _save(self, wait: bool) -> Path | None:
         job, dist = self.job, self.job.dist
         losses, state = job.state.losses, self.state_dict()
+        asynchronous = self._asynchronous(state)
         recent, self.mark = losses[self.mark :], len(losses)
         loss = sum(recent) / len(recent) if recent else None
         rng, records = [capture_rng(job.state.generator, dist.device)], [job.state.ledger.take()]
@@ -146,14 +163,47 @@ class CheckpointManager:
             loss, rng, records = _gather_to_main(dist, recent, state, rng[0], records[0])
         path = None
         if dist.is_main:
+            self.writer.wait()  # one write in flight: its buffers are about to be reused
             self._write_ledger(records)
-            path = write_checkpoint(
-                self.run_dir, job.state.progress, job.model.write_live, state, self.retention,
-                rng=rng, loss=loss, config=job.params.model_dump(mode="json"), ledger=job.state.ledger_segments,
-            )  # fmt: skip
-            self._upload(path)
-        if dist.world > 1:
+            snapshot = (copy.copy(job.state.progress), list(job.state.ledger_segments), rng, loss)
+            if asynchronous:
+                live = self.buffers.copy(job.model.live_tensors(), "live", contiguous=True)
+                state = self.buffers.copy(state, "state")
+                ready = torch.cuda.Event() if dist.device.type == "cuda" else None
+                if ready is not None:
+                    ready.record()
+                self.writer.submit(lambda: self._write(*snapshot, live, state), ready)
+                path = self.writer.wait() if wait else None
+            else:
+                path = self._write(*snapshot, job.model.live_tensors(), state)
+        if dist.world > 1 and (wait or not asynchronous):
             torch.distributed.barrier()
+        return path
+
+    def _asynchronous(self, state: dict) -> bool:
+        """Whether this run writes in the background: rank 0 decides at the first checkpoint (logged), every rank
+        follows (their barriers must match)."""
+        if self.asynchronous is None:
+            dist, why = self.job.dist, ""
+            if dist.is_main:
+                size = state_bytes(state) + state_bytes(self.job.model.live_tensors())
+                self.asynchronous, why = choose_async(self.job.cfg.async_checkpoint, dist.device, size)
+                log.info("checkpoints %s (%s)", "in the background" if self.asynchronous else "block the step", why)
+            self.asynchronous = bool(broadcast_object(self.asynchronous, dist.world))
+            self.buffers = HostBuffers(pinned=True)
+        return self.asynchronous
+
+    def _write(self, progress, ledger: list[dict], rng: list, loss, live: dict, state: dict) -> Path:
+        """The checkpoint's files, manifest and rename (then pruning and the upload): in the background or not."""
+        def write_weights(folder: Path) -> None:
+            self.job.model.write_live(folder, live)
+            _slow_write_point()
+
+        path = write_checkpoint(
+            self.run_dir, progress, write_weights, state, self.retention,
+            rng=rng, loss=loss, config=self.job.params.model_dump(mode="json"), ledger=ledger,
+        )  # fmt: skip
+        self._upload(path, ledger)
         return path
 
     def _write_ledger(self, records: list[dict]) -> None:
@@ -166,19 +216,37 @@ class CheckpointManager:
         entry = write_segment(self.run_dir, records, self.job.data, start, state.progress.step)
         state.ledger_segments = [*state.ledger_segments, entry]
 
-    def _upload(self, path: Path) -> None:
+    def _upload(self, path: Path, ledger: list[dict]) -> None:
         if self.remote is None:
             return
         if self.uploader is None:
             self.uploader = BackgroundUploader(RemoteRun(self.remote), self.run_dir, self.retention)
-        segments = [self.run_dir / LEDGER_DIR / e["name"] for e in self.job.state.ledger_segments]
-        self.uploader.submit(path, segments)
+        self.uploader.submit(path, [self.run_dir / LEDGER_DIR / e["name"] for e in ledger])
+
+    def finish_writes(self) -> Path | None:
+        """Wait for the background write in flight (every rank: the others wait for rank 0's); its checkpoint."""
+        path = self.writer.wait()
+        if self.job.dist.world > 1 and self.asynchronous:
+            torch.distributed.barrier()
+        return path
 
     def close(self) -> None:
-        """Wait for pending uploads."""
+        """Wait for the write in flight and the pending uploads (a failed background write is logged)."""
+        try:
+            self.writer.wait()
+        except CheckpointWriteError as err:
+            log.error("%s; the previous checkpoint is the newest complete one", err)
         if self.uploader:
             self.uploader.close()
             self.uploader = None
+
+
+def _slow_write_point() -> None:
+    """Fault injection for the kill tests: ``SDFORGE_SLOW_CHECKPOINT_S=N`` holds every checkpoint write N seconds
+    after its weights, before its manifest and rename — a kill then lands inside a (background) write."""
+    delay = float(os.environ.get("SDFORGE_SLOW_CHECKPOINT_S", "0"))
+    if delay:
+        time.sleep(delay)
 
 
 def _gather_to_main(dist, recent: list[float], state: dict, rng: dict, records: dict):

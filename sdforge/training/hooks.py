@@ -134,17 +134,18 @@ class PreemptionHook(Hook):
 
 class CheckpointHook(Hook):
     """Checkpoints on schedule: every ``train.save_steps`` steps within an epoch, at every epoch end, and at a
-    preemption stop (then the run ends with :class:`Preempted`); waits for pending uploads at the end."""
+    preemption stop (then the run ends with :class:`Preempted`); waits for the write in flight and pending
+    uploads at the end."""
 
     def __init__(self, manager):
         self.manager = manager
 
     def after_step(self, job, report) -> None:
         agreed = report.agreed
-        if agreed is not None and agreed.stop:
-            path = self.manager.save() if agreed.save else None
+        if agreed is not None and agreed.stop:  # the write in flight finishes; a new one only if it fits the grace
+            path = self.manager.save(wait=True) if agreed.save else self.manager.finish_writes()
             self.manager.close()
-            raise Preempted(report.step, path, agreed.elapsed_s)
+            raise Preempted(report.step, path if agreed.save else None, agreed.elapsed_s)
         p, every = job.state.progress, job.cfg.save_steps
         if every and p.step % every == 0 and p.batch < job.plan.epoch_lengths[p.epoch]:
             self.manager.save()
@@ -153,6 +154,7 @@ class CheckpointHook(Hook):
         self.manager.save()
 
     def end(self, job) -> None:
+        self.manager.finish_writes()
         self.manager.close()
 
     def close(self, error: BaseException | None) -> None:
@@ -161,17 +163,23 @@ class CheckpointHook(Hook):
 
 class FaultInjectionHook(Hook):
     """Fault injection for the resume, preemption and hang tests, after the step's checkpoint:
-    ``SDFORGE_KILL_AT_STEP=N`` SIGKILLs this process after step N, ``SDFORGE_TERM_AT_STEP=N`` sends it SIGTERM
-    (a preemption notice), ``SDFORGE_HANG_AT_STEP=N`` (with ``SDFORGE_HANG_RANK=r``: on rank r only) stops it
-    for ever, as a stuck data read or a dead peer would."""
+    ``SDFORGE_KILL_AT_STEP=N`` SIGKILLs this process after step N once its checkpoint writes are done (so a test
+    knows the resume point), ``SDFORGE_KILL_IN_WRITE_AT_STEP=N`` right away (inside a background write),
+    ``SDFORGE_TERM_AT_STEP=N`` sends it SIGTERM (a preemption notice), ``SDFORGE_HANG_AT_STEP=N`` (with
+    ``SDFORGE_HANG_RANK=r``: on rank r only) stops it for ever, as a stuck data read or a dead peer would."""
+
+    def __init__(self, manager=None):
+        self.manager = manager
 
     def after_step(self, job, report) -> None:
+        if os.environ.get("SDFORGE_KILL_AT_STEP") == str(report.step) and self.manager is not None:
+            self.manager.writer.wait()
         _kill_point(report.step)
         _hang_point(report.step, job.dist.rank)
 
 
 def _kill_point(step: int) -> None:
-    if os.environ.get("SDFORGE_KILL_AT_STEP") == str(step):
+    if str(step) in (os.environ.get("SDFORGE_KILL_AT_STEP"), os.environ.get("SDFORGE_KILL_IN_WRITE_AT_STEP")):
         log.warning("SDFORGE_KILL_AT_STEP=%d: killing this process (fault injection)", step)
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.get("SDFORGE_TERM_AT_STEP") == str(step):

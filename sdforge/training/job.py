@@ -11,6 +11,7 @@ import logging
 import os
 from pathlib import Path
 
+from model.speed import attention_backends
 from sdforge.config import Params
 from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
@@ -67,7 +68,8 @@ class TrainJob(JobEvents):
         self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
         self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype)
         self.objective = params.phase_objective(phase_name)
-        self.model = build_trained_model(params, self.phase, dist)
+        self.model = build_trained_model(params, self.phase, dist, bucket_shapes=len(self.data.buckets))
+        self.attention = attention_backends(self.cfg.attention, dist.device)
         where = f"phases.{phase_name}.optimizer"
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where,
                                   self.model.unet.config)  # fmt: skip

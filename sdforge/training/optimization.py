@@ -24,6 +24,7 @@ class Optimization:
             trainable,
             decay=cfg.ema_decay,
             every=cfg.ema_update_every,
+            foreach=self.ema_device.type == "cuda",  # one kernel per update on CUDA; CPU keeps its exact sums
             model_cls=UNet2DConditionModel,
             model_config=unet_config,
         )
@@ -36,16 +37,16 @@ class Optimization:
             build_lr_scheduler(self.optimizer, self.peak_lr, self.warmup_steps, total_steps) if total_steps else None
         )
 
-    def step(self, step: int) -> float:
+    def step(self, step: int) -> torch.Tensor:
         """Optimizer step number ``step`` (1-based): clip, step, schedule, zero the gradients, EMA (every
-        ``train.ema_update_every`` steps); return the gradient norm."""
+        ``train.ema_update_every`` steps); return the gradient norm (a device tensor: no host read here)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if step % self.cfg.ema_update_every == 0:
             self.ema.step(self.trainable)
-        return float(grad_norm)
+        return grad_norm
 
     def lr(self) -> float:
         """The LR of the next optimizer step."""

@@ -85,5 +85,5 @@ def default_hooks(job, run_dir: Path, notice: PreemptionNotice, manager, extra: 
         ValidationHook(job.params, run_dir) if cfg.validation_every else None,
         *extra,
         CheckpointHook(manager),
-        FaultInjectionHook(),
+        FaultInjectionHook(manager),
     ]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from model.speed import compile_seconds
 from sdforge.io import loss_curve_path, write_json
 from sdforge.training.ledger import audit, caption_summary, read_ledger, source_summary
 from sdforge.training.reporting import write_loss_curve
@@ -45,6 +46,8 @@ def phase_metrics(job, resumed_at: int, elapsed: float) -> dict:
     }
     metrics.update(resolution=params.phase_resolution(job.phase_name), objective=job.objective, **plan.bucket_counts)
     metrics.update(job.model.parameter_counts())
+    if job.cfg.compile != "off":
+        metrics["compile.seconds"] = round(compile_seconds(), 2)  # this process's compile wall time
     return metrics
 
 

@@ -16,6 +16,7 @@ import torch
 from model.diffusion import cfg_dropout, denoising_loss
 from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
+from model.speed import attention_context
 from sdforge.config import Phase
 from sdforge.latents.loader import iter_batches
 from sdforge.training.distributed import part_generators, step_seeds
@@ -72,49 +73,59 @@ class EpochReader:
 
 def train_step(job, reader: EpochReader) -> StepReport:
     """One optimizer step of ``job`` (:class:`sdforge.training.job.TrainJob`) on the reader's next micro-batches;
-    gradients are all-reduced on the last micro-batch only."""
+    gradients are all-reduced on the last micro-batch only.
+
+    No host synchronisation between its micro-batches: the per-sample losses, their finiteness and the gradient
+    norm stay on the device until one read after the optimizer step. A non-finite loss then stops the run
+    before any hook — so before the next checkpoint is written (the last good one is kept)."""
     split, rank, state = job.plan.split, job.dist.rank, job.state
     seeds = step_seeds(state.generator, split.global_batch)
-    t0, data_wait, micro = time.perf_counter(), 0.0, []
+    t0, data_wait, positions, losses = time.perf_counter(), 0.0, [], []
     for k in range(split.accum):
         t = time.perf_counter()
-        positions, latents, input_ids = reader.next_micro_batch()
+        batch_positions, latents, input_ids = reader.next_micro_batch()
         data_wait += time.perf_counter() - t
         last = k == split.accum - 1
-        losses = micro_step(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last)
-        micro.append((positions, losses))
+        losses.append(micro_step(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last))
+        positions.append(batch_positions)
     state.progress.step += 1
     grad_norm = job.optim.step(state.progress.step)
+    per_sample, grad_norm = _read_step(torch.cat(losses), grad_norm)  # the step's one device → host read
+    if not torch.isfinite(per_sample).all():
+        raise FloatingPointError(
+            f"train@{job.phase_name}: non-finite loss at step {state.progress.step} "
+            f"({int((~torch.isfinite(per_sample)).sum())} of {per_sample.numel()} samples); stopping (the last "
+            "good checkpoint is kept). Lower the LR or check the latents."
+        )
     state.progress.batch += 1
-    loss = float(torch.cat([losses for _, losses in micro]).mean())
+    loss = float(per_sample.mean())
     state.losses.append(loss)
-    elapsed = time.perf_counter() - t0
+    micro = list(zip(positions, per_sample.split([len(p) for p in positions]), strict=True))
     return StepReport(state.progress.step, state.progress.epoch, loss, grad_norm, job.optim.lr(), micro,
-                      reader.captions, elapsed, data_wait)  # fmt: skip
+                      reader.captions, time.perf_counter() - t0, data_wait)  # fmt: skip
+
+
+def _read_step(per_sample: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The step's per-sample losses (CPU, fp32) and gradient norm, in one copy from the device."""
+    both = torch.cat([per_sample, grad_norm.detach().float().reshape(1).to(per_sample.device)]).cpu()
+    return both[:-1], float(both[-1])
 
 
 def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool):
-    """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``); each sample's loss (CPU).
-
-    A non-finite loss stops training before the next checkpoint is written (the last good one is kept).
-    """
+    """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``); each sample's loss, fp32,
+    detached, on the device (read once per step by :func:`train_step`)."""
     dev = job.dist.device
     cond = job.conditioning.encode(input_ids)
     gens = part_generators(seeds)
     cond = cfg_dropout(cond, job.conditioning.uncond, job.phase.cfg_dropout, gens)
     bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
-    with job.model.no_sync(sync):  # one context (DDP's no_sync() is single-use) around forward and backward
+    with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             per_sample = phase_loss(job.phase, job.objective, job.model.forward_module, job.conditioning.scheduler,
                                     latents.to(dev), cond, gens)  # fmt: skip
             loss = per_sample.mean()
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"train@{job.phase_name}: non-finite loss {loss.item()} at step {job.state.progress.step + 1}; "
-                "stopping (the last good checkpoint is kept). Lower the LR or check the latents."
-            )
         (loss * scale).backward()
-    return per_sample.detach().float().cpu()
+    return per_sample.detach().float()
 
 
 def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Tensor, cond: torch.Tensor, gens):

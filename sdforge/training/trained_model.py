@@ -15,8 +15,9 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 
 from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
+from model.speed import compile_unet
 from sdforge.config import SCRATCH, Adapter, Params, Phase
-from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
+from sdforge.training.adapter_files import UNET_FILE, write_lora_folder, write_plain_unet
 from sdforge.training.checkpoints import CheckpointError
 from sdforge.training.distributed import Dist
 from sdforge.training.unet_init import load_foreign_weights, load_init_unet
@@ -51,9 +52,18 @@ class FullUNet:
         trainable, base = count_parameters(self.unet)
         return {"trainable_params": trainable, "unet_params": base, "trainable_share": round(trainable / base, 6)}
 
-    def write_live(self, ckpt: Path) -> None:
-        """The live weights into checkpoint folder ``ckpt``: ``unet/`` (diffusers, safetensors)."""
-        self.unet.save_pretrained(ckpt / "unet", safe_serialization=True)
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the live weights, by name (references: copy them to keep them)."""
+        return self.unet.state_dict()
+
+    def write_live(self, ckpt: Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """The live weights (``tensors``, default :meth:`live_tensors`) into checkpoint folder ``ckpt``: ``unet/``
+        as a diffusers folder (``config.json`` + safetensors), what ``from_pretrained`` reads."""
+        folder = ckpt / "unet"
+        folder.mkdir(parents=True)
+        self.unet.save_config(folder)
+        tensors = self.live_tensors() if tensors is None else tensors
+        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / UNET_FILE, metadata={"format": "pt"})
 
     def load_live(self, ckpt: Path) -> None:
         """Inverse of :meth:`write_live`; a CheckpointError naming the folder when they do not fit."""
@@ -85,11 +95,15 @@ class AdapterUNet(FullUNet):
         self.spec = spec
         super().__init__(unet, dist)
 
-    def write_live(self, ckpt: Path) -> None:
-        """``adapter/adapter_weights.safetensors``: the trained tensors by name (the frozen base is the init's)."""
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """The trained tensors by name (the frozen base is the init's)."""
+        return {n: p.detach() for n, p in self.named_trainable()}
+
+    def write_live(self, ckpt: Path, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """``adapter/adapter_weights.safetensors``: the trained tensors (``tensors``, default :meth:`live_tensors`)."""
         (ckpt / ADAPTER_DIR).mkdir(parents=True)
-        tensors = {n: p.detach().cpu().contiguous() for n, p in self.named_trainable()}
-        save_file(tensors, ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS)
+        tensors = self.live_tensors() if tensors is None else tensors
+        save_file({n: t.cpu().contiguous() for n, t in tensors.items()}, ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS)
 
     def load_live(self, ckpt: Path) -> None:
         path = ckpt / ADAPTER_DIR / ADAPTER_WEIGHTS
@@ -113,9 +127,10 @@ class AdapterUNet(FullUNet):
         return {"adapter": self.spec.model_dump()}
 
 
-def build_trained_model(params: Params, phase: Phase, dist: Dist) -> FullUNet:
+def build_trained_model(params: Params, phase: Phase, dist: Dist, bucket_shapes: int = 1) -> FullUNet:
     """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
-    for training (gradient checkpointing, channels_last as ``train`` says), in its strategy object."""
+    for training (gradient checkpointing, channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
+    strategy object."""
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
@@ -129,6 +144,9 @@ def build_trained_model(params: Params, phase: Phase, dist: Dist) -> FullUNet:
         unet.enable_gradient_checkpointing()
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
+    compiled = compile_unet(unet, cfg.compile, bucket_shapes)
+    if compiled:
+        log.info("train.compile: %s — %d module(s) compiled at their first step", cfg.compile, compiled)
     return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter)
 
 

@@ -34,7 +34,7 @@ CONCERNS = Train.__bases__
 """TrainingRecipe, OptimizerSettings, EmaSettings, PrecisionSettings, CheckpointSettings, ReportingSettings,
 LaunchSettings, ResilienceSettings."""
 TRAIN_NONE = {
-    "save_steps", "keep_last", "keep_every", "keep_best", "checkpoint_s3",
+    "save_steps", "keep_last", "keep_every", "keep_best", "checkpoint_s3", "async_checkpoint",
     "log_every", "validation_every", "validation_prompts", "progress_bar",
     "preempt_grace_s", "hang_timeout_s",
 }  # fmt: skip

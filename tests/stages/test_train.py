@@ -91,6 +91,26 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     assert [p.name for p in (killed / "runs").iterdir()] == ["phase1"]  # nothing moved aside
 
 
+def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_one(runs, tmp_path):
+    """Checkpoints written in the background (``train.async_checkpoint: on``), each held 3 s inside its write: the
+    SIGKILL after step 4 lands while checkpoint 4 is written, so the run resumes from 3 — bit-identically."""
+    straight = runs[0]
+    params = build_workspace(tmp_path)
+    data = yaml.safe_load(params.read_text())
+    data["train"]["async_checkpoint"] = "on"
+    params.write_text(yaml.safe_dump(data))
+    died = train(params, "phase1", env={"SDFORGE_KILL_IN_WRITE_AT_STEP": "4", "SDFORGE_SLOW_CHECKPOINT_S": "3"})
+    assert died.returncode == -9 and "checkpoints in the background" in died.stderr, died.stderr[-3000:]
+    run_dir = tmp_path / "runs/phase1"
+    assert not (run_dir / "checkpoint-00000004").exists()  # its write was in flight (maybe not even begun)
+    resumed = train(params, "phase1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 3 (epoch 1, step 0 of it)" in resumed.stderr
+    for sub in ("unet", "unet_ema"):
+        a, b = weights(straight, "phase1", sub), weights(tmp_path, "phase1", sub)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after the resume"
+
+
 def test_a_new_text_encoder_retrains_the_finished_phase(runs, tmp_path):
     """Issue 37's defect 2: after a finished phase, changed models (here the frozen text encoder) must retrain it,
     not resume the finished run and re-export its weights."""

@@ -21,6 +21,7 @@ from tests.fixtures.training import build_workspace, clone_workspace, edit_param
 CHANGES = {
     "train": {
         "save_steps": 3, "keep_last": 1, "keep_every": 2, "keep_best": False, "checkpoint_s3": "S3",
+        "async_checkpoint": "off",
         "log_every": 3, "validation_every": 2, "validation_prompts": 2, "progress_bar": False,
         "preempt_grace_s": 40.0, "hang_timeout_s": 900.0,
         "rdzv_endpoint": "127.0.0.1:29999",  # a job-shape key that one process can change (no launch)

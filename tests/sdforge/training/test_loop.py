@@ -12,6 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from sdforge.config import Train
+from sdforge.training import async_checkpoint
+from sdforge.training.async_checkpoint import HostBuffers, choose_async
 from sdforge.training.checkpoint_manager import CheckpointManager
 from sdforge.training.checkpoints import checkpoint_dirs
 from sdforge.training.hooks import CheckpointHook, FaultInjectionHook, Hook, Hooks, LedgerHook, PreemptionHook
@@ -167,3 +170,71 @@ def test_the_ledger_segment_is_written_before_the_checkpoint_that_lists_it(tmp_p
     names = [e["name"] for e in manifest["ledger"]]
     assert names == ["00000001-00000002.parquet", "00000003-00000003.parquet", "00000004-00000004.parquet"]
     assert pq.read_table(tmp_path / "ledger" / names[-1]).num_rows == GLOBAL_BATCH
+
+
+# -- checkpoints written in the background (train.async_checkpoint) ---------------------------------------------
+def _async_job(setting: str = "on") -> ToyJob:
+    return ToyJob(Train(save_steps=2, keep_last=10, log_every=1, ema_decay=0.9, async_checkpoint=setting))
+
+
+def test_a_background_write_holds_the_step_only_for_its_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("SDFORGE_SLOW_CHECKPOINT_S", "0.5")
+    job = _async_job()
+    manager = CheckpointManager(job, tmp_path, "fp")
+    toy_step(job, toy_reader(job, 0))
+    t0 = time.perf_counter()
+    assert manager.save() is None  # written in the background
+    stall = time.perf_counter() - t0
+    assert stall < 0.5 and manager.asynchronous
+    deadline = time.monotonic() + 0.4
+    while not (tmp_path / "checkpoint-00000001.tmp").is_dir() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the writer thread starts
+    assert checkpoint_dirs(tmp_path) == [] and (tmp_path / "checkpoint-00000001.tmp").is_dir()  # not complete yet
+    toy_step(job, toy_reader(job, 0))  # training goes on while it is written: the snapshot is what is written
+    assert manager.finish_writes() == tmp_path / "checkpoint-00000001"
+    manager.close()
+    restored = ToyJob(model_seed=1)
+    CheckpointManager(restored, tmp_path, "fp").restore_newest()
+    assert restored.state.progress.step == 1 and restored.state.losses == job.state.losses[:1]
+
+
+@pytest.mark.parametrize("stop_at", [3, 5])
+def test_background_checkpoints_resume_like_blocking_ones(tmp_path, stop_at):
+    """A run stopped after ``stop_at`` and resumed, writing every checkpoint in the background, ends exactly as an
+    uninterrupted run with blocking writes."""
+    straight, _ = _run(tmp_path / "blocking", job=_async_job("off"))
+    with pytest.raises(RuntimeError):
+        _run(tmp_path / "async", stop_at=stop_at, job=_async_job("on"))
+    resumed, manager = _run(tmp_path / "async", job=_async_job("on"))
+    assert manager.asynchronous
+    for a, b in zip(straight.model.trainable, resumed.model.trainable, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.optim.ema.shadow_params, resumed.optim.ema.shadow_params, strict=True):
+        assert torch.equal(a, b)
+    blocking = torch.load(tmp_path / "blocking/checkpoint-00000006/state.pt", weights_only=True)
+    background = torch.load(tmp_path / "async/checkpoint-00000006/state.pt", weights_only=True)
+    assert torch.equal(blocking["ema"]["shadow_params"][0], background["ema"]["shadow_params"][0])
+    assert blocking["progress"] == background["progress"] and blocking["recent_losses"] == background["recent_losses"]
+
+
+def test_host_buffers_are_reused_and_keep_the_state_layout():
+    buffers = HostBuffers(pinned=True)
+    state = {"m": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), "n": [torch.ones(3)], "k": 7}
+    first = buffers.copy(state)
+    assert first["k"] == 7 and torch.equal(first["m"], state["m"]) and first["m"].stride() == state["m"].stride()
+    state["m"].add_(1)
+    second = buffers.copy(state)
+    assert second["m"] is first["m"] and torch.equal(second["m"], state["m"])  # the same buffer, refilled
+    live = buffers.copy({"w": state["m"]}, "live", contiguous=True)
+    assert live["w"].is_contiguous() and torch.equal(live["w"], state["m"])
+    assert buffers.nbytes == 2 * state["m"].numel() * 4 + 3 * 4
+
+
+def test_auto_writes_in_the_background_on_a_cpu_only_when_a_second_copy_fits(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(async_checkpoint, "memory_available", lambda: 20 * 2**30)
+    assert choose_async("auto", cpu, 10 * 2**30)[0] is True
+    on, why = choose_async("auto", cpu, 19 * 2**30)
+    assert on is False and "does not fit in the 20.00 GiB free" in why
+    assert choose_async("on", cpu, 19 * 2**30)[0] is True and choose_async("off", cpu, 1)[0] is False
+    assert choose_async("auto", torch.device("cuda"), 10**12)[0] is True  # pinned buffers: not host RAM-bound
