@@ -123,12 +123,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def build_state(spec: dict) -> tuple[torch.nn.Module, dict, int]:
+def build_state(spec: dict, device: str = "cpu") -> tuple[torch.nn.Module, dict, int]:
     """The UNet and the trainer-like state dict (optimizer, scheduler, EMA); returns them and the param count.
 
     Order keeps the peak low: the optimizer state is made (and the zero gradients freed) before the EMA copy.
     """
-    unet = build_unet(unet_config(spec), seed=0).train()
+    unet = build_unet(unet_config(spec), seed=0).to(device).train()
     n_params = count_parameters(unet)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-5)
     for p in unet.parameters():
@@ -154,7 +154,7 @@ def write_ours(unet, state: dict, rng: list, config: dict, run_dir: Path) -> dic
 
     def write_weights(folder: Path) -> None:
         marks["weights_start"] = time.perf_counter()
-        FullUNet(unet, Dist(0, 1, 0, torch.device("cpu"))).write_live(folder)
+        FullUNet(unet, Dist(0, 1, 0, next(unet.parameters()).device)).write_live(folder)
         marks["weights_end"] = time.perf_counter()
 
     real_file_table = checkpoints._file_table
@@ -204,7 +204,7 @@ class _StateJob(JobEvents):
         super().__init__()
         self.params, self.phase_name = params, "bench"
         self.cfg = params.train.model_copy(update={"async_checkpoint": setting, "keep_last": 1, "checkpoint_s3": None})
-        self.dist = Dist(0, 1, 0, torch.device("cpu"))
+        self.dist = Dist(0, 1, 0, next(unet.parameters()).device)
         self.model = FullUNet(unet, self.dist)
         self.plan = SimpleNamespace(global_batch=GLOBAL_BATCH)
         self.optim = SimpleNamespace(state_dict=lambda: {k: state[k] for k in ("optimizer", "lr_scheduler", "ema")})
@@ -271,21 +271,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the temporary checkpoints go (same filesystem as the runs, ideally)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (model build only)")
     ap.add_argument("--baseline-first", action="store_true", help="write the baseline before ours (order check)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the state lives (cuda: the background write copies it to pinned host memory)")
     ap.add_argument("--scale", default="auto", help="block-width scale of the UNet; auto: 1 when the state and a "
                     "host copy of it fit in free memory (the background write's), else the largest that does")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     params = load_params(FULL_PARAMS)
     spec = QUICK_UNET if args.quick else params.models.unet.model_dump()
-    scale = 1.0 if args.quick else fitting_scale(spec) if args.scale == "auto" else float(args.scale)
+    device = torch.device(args.device)
+    if args.quick or (args.scale == "auto" and device.type == "cuda"):  # a GPU's state has one host copy only
+        scale = 1.0
+    else:
+        scale = fitting_scale(spec) if args.scale == "auto" else float(args.scale)
     spec = scaled_spec(spec, scale) if scale != 1.0 else spec
     config = params.model_dump(mode="json")
     size_name = "quick" if args.quick else "full size" if scale == 1.0 else f"width scale {scale} (2 copies must fit)"
     print(f"machine: {machine()}; load average {load_average()}; {size_name}")
 
     t0 = time.perf_counter()
-    unet, state, n_params = build_state(spec)
-    rng = [capture_rng(torch.Generator(), torch.device("cpu"))]
+    unet, state, n_params = build_state(spec, device)
+    rng = [capture_rng(torch.Generator(), device)]
     print(f"built UNet ({n_params:,} params) + AdamW + EMA in {time.perf_counter() - t0:.1f} s; "
           f"peak RSS {peak_rss_mib():.0f} MiB")  # fmt: skip
     if not args.quick and scale == 1.0 and n_params != SD1_UNET_PARAMS:

@@ -27,6 +27,15 @@ Generators = torch.Generator | Sequence[torch.Generator]
 """One stream for the whole batch, or one per sample (row ``b`` drawn from ``generator[b]``)."""
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (drawn on the CPU) on ``device`` without a host synchronisation: to CUDA through pinned memory
+    and a non-blocking copy (a pageable copy waits for the stream); elsewhere a plain ``.to``. Same values."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def draw(generator: Generators, shape: tuple[int, ...], fn: Callable[..., torch.Tensor]) -> torch.Tensor:
     """``fn(shape, generator=g)`` for a ``[B, ...]`` draw: from one stream, or row by row from per-sample streams.
 
@@ -98,7 +107,7 @@ def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator
     drop = draw(generator, (cond.shape[0],), torch.rand) < rate
     if not bool(drop.any()):
         return cond
-    mask = drop.to(cond.device).view(-1, 1, 1)
+    mask = to_device(drop, cond.device).view(-1, 1, 1)
     return torch.where(mask, uncond.to(cond.dtype).expand_as(cond), cond)
 
 
@@ -153,7 +162,7 @@ def training_noise(latents: torch.Tensor, generator: Generators, noise_offset: f
     noise = draw(generator, tuple(latents.shape), randn)
     if noise_offset:
         noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
-    return noise.to(latents.device)
+    return to_device(noise, latents.device)
 
 
 def denoising_loss(
@@ -180,10 +189,10 @@ def denoising_loss(
     """
     noise = training_noise(latents, generator, noise_offset)
     timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator, logit_normal)
-    timesteps = timesteps.to(latents.device)
+    timesteps = to_device(timesteps, latents.device)
     model_noise = noise
     if input_perturbation:
-        xi = draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)).to(latents.device)
+        xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
         model_noise = noise + input_perturbation * xi
     noisy = scheduler.add_noise(latents, model_noise, timesteps)
     pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from model.diffusion import Generators, diffusion_loss, draw, training_noise
+from model.diffusion import Generators, diffusion_loss, draw, to_device, training_noise
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -62,10 +62,10 @@ def flow_matching_loss(
     input perturbation ``ξ`` — the model sees ``x_σ`` built from ``ε + γ·ξ``, the target keeps ``ε``.
     """
     noise = training_noise(latents, generator, noise_offset)
-    sigma = sample_sigmas(latents.shape[0], generator, logit_normal, shift).to(latents.device)
+    sigma = to_device(sample_sigmas(latents.shape[0], generator, logit_normal, shift), latents.device)
     model_noise = noise
     if input_perturbation:
-        xi = draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)).to(latents.device)
+        xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
         model_noise = noise + input_perturbation * xi
     x_t = interpolate(latents, model_noise, sigma)
     pred = unet(x_t, sigma * num_train_timesteps, encoder_hidden_states=cond).sample

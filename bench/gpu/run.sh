@@ -52,22 +52,32 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.
 
 if [ "$quick" = 1 ]; then
   cfg="--config demo --device $device --quick"
+  # the CPU rehearsal: every step's plumbing and imports in one call (limits sum to the 540-s budget)
   steps=(
-    "tests|150|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
-    "train_check|300|$py -m bench.gpu.train_check --quick"
-    "train_step|300|$py -m bench.train_step $cfg --batch 8 --ckpt off"
-    "encode|300|$py -m bench.encode_pipeline --quick --vae demo --device $device"
+    "tests|100|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
+    "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off"
+    "attention|30|$py -m bench.gpu.attention_probe --quick --device $device"
+    "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device"
+    "train_check|120|$py -m bench.gpu.train_check --quick --train async_checkpoint=on"
+    "switches|80|$py -m bench.train_step $cfg --batch 4 --ckpt off --channels-last both --attention auto,math"
+    "encode|90|$py -m bench.encode_pipeline --quick --vae demo --device $device"
   )
 else
   full="--config full --device $device --rounds 1 --steps 8"
-  # Ordered by value for a 15-minute lease (2026-11: one call of <= 600 s, then one short call while warm):
-  # correctness, the headline throughput, the kill/resume check, encode, then compile.
+  # Ordered by value for a 15-minute lease (one call of <= 600 s, then one short call while warm), issue 38:
+  # correctness (gpu tests, sync-free step), the plain loop vs our eager step, compiled blocks (+ compile time),
+  # the attention kernels per head size, the background checkpoint's stall, the kill/resume check with
+  # background checkpoints, then every switch at batch 32/48/64, then encode.
   steps=(
     "tests|120|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
-    "train_step|240|$py -m bench.train_step $full --batch 32,64 --ckpt both --channels-last both"
-    "train_check|300|$py -m bench.gpu.train_check"
+    "train_step|150|$py -m bench.train_step $full --batch 64 --ckpt off"
+    "compile|300|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last both --compile blocks"
+    "attention|60|$py -m bench.gpu.attention_probe --batch 8"
+    "checkpoint|150|$py -m bench.checkpoint_write --device cuda"
+    "train_check|300|$py -m bench.gpu.train_check --train compile=blocks --train async_checkpoint=on"
+    "all_switches|400|$py -m bench.train_step $full --batch 32,48,64 --ckpt off --channels-last on --compile blocks --attention cudnn"
     "encode|200|$py -m bench.encode_pipeline --vae sd --size 512 --device $device --rounds 2"
-    "train_compile|300|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last on --compile on"
+    "compile_unet|400|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last on --compile unet"
   )
 fi
 # The preflight runs the real stages through DVC: it needs DVC, polars and MLflow, which neither the GPU image

@@ -40,7 +40,7 @@ from sdforge.training.checkpoints import CheckpointError, checkpoint_dirs, verif
 from sdforge.training.reporting import read_steps
 
 
-def plan(quick: bool, steps: int | None, batch: int | None) -> dict:
+def plan(quick: bool, steps: int | None, batch: int | None, train: dict | None = None) -> dict:
     """Steps, batch, checkpoint interval and kill step of the check (one epoch; the kill lands between checkpoints)."""
     batch = batch or (4 if quick else 8)
     steps = steps or (40 if quick else 120)
@@ -49,7 +49,8 @@ def plan(quick: bool, steps: int | None, batch: int | None) -> dict:
         "unet": workspace.TINY_UNET if quick else workspace.full_unet(),
         "samples": batch * steps,
         # keep one checkpoint (+ the one being written): a full-size one is ~14 GB, the GPU machine has 64 GB of disk
-        "train": {"save_steps": save, "keep_last": 1, "keep_best": False, "log_every": 10, "deterministic": True},
+        "train": {"save_steps": save, "keep_last": 1, "keep_best": False, "log_every": 10, "deterministic": True,
+                  **(train or {})},  # fmt: skip
         "phase": {
             "epochs": 1,
             "batch_size": batch,
@@ -216,15 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="default: a temp dir, removed after")
     ap.add_argument("--steps", type=int, help="optimizer steps of the reference (default 120; quick 40)")
     ap.add_argument("--batch", type=int, help="default 8 (quick 4)")
+    ap.add_argument("--train", action="append", default=[], metavar="KEY=VALUE",
+                    help="a train setting (YAML value), e.g. compile=blocks or async_checkpoint=on; repeatable")
     args = ap.parse_args(argv)
-    p = plan(args.quick, args.steps, args.batch)
+    overrides = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.train)}
+    p = plan(args.quick, args.steps, args.batch, overrides)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     where = machine() + (f", {torch.cuda.get_device_name()}" if device == "cuda" else "")
     print(f"machine: {where}; torch {torch.__version__}; device {device}")
     print(
         f"UNet {p['unet']['block_out_channels']} at {p['unet']['sample_size']}x{p['unet']['sample_size']} latents, "
         f"batch {p['batch']}, {p['steps']} steps, checkpoint every {p['train']['save_steps']}, kill after "
-        f"step {p['kill_at']} (resume from {p['resume_from']}), deterministic kernels on"
+        f"step {p['kill_at']} (resume from {p['resume_from']}), deterministic kernels on; train {p['train']}"
     )
     with tempfile.TemporaryDirectory(prefix="train-check-") as tmp:
         root = args.workdir or Path(tmp)

@@ -6,9 +6,9 @@ Each concern says what changing its keys changes (``EFFECT``, :class:`sdforge.co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from sdforge.config.base import Effect, S3Url, Section, Url
 
@@ -69,6 +69,11 @@ class PrecisionSettings(Section):
     then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway."""
 
 
+def _on_off(value):
+    """YAML reads a bare ``on``/``off`` as a boolean: take it as the word."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class CheckpointSettings(Section):
     """When checkpoints are written, which are kept, and where they are uploaded (retention: not the weights)."""
 
@@ -85,7 +90,7 @@ class CheckpointSettings(Section):
     checkpoint_s3: S3Url | None = None
     """``s3://bucket/prefix``: every checkpoint is uploaded there as it is written, and a fresh pod
     resumes from the newest of local disk and S3 (endpoint from ``AWS_ENDPOINT_URL`` if set)."""
-    async_checkpoint: Literal["auto", "on", "off"] = "auto"
+    async_checkpoint: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = "auto"
     """on: at the step boundary the state is copied to host memory (pinned, reused buffers on CUDA) and the
     files, hashes, manifest and upload are written in the background while training goes on (one write in
     flight; ``COMPLETE`` last). off: the step waits for the whole write. auto: on with CUDA; on a CPU only

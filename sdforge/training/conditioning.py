@@ -12,6 +12,7 @@ from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
+from model.diffusion import to_device
 from model.sampler import encode_prompts
 from sdforge.config import Train
 
@@ -26,6 +27,9 @@ class Conditioning:
 
     def __init__(self, models: Path, device: torch.device, text_encoder_dtype: str):
         self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
+        # on the device once: add_noise / get_velocity / compute_snr then index it there instead of copying it up
+        # (a synchronising copy) every micro-batch; the same values
+        self.scheduler.alphas_cumprod = self.scheduler.alphas_cumprod.to(device)
         self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
         self.text_encoder = _frozen_text_encoder(models, device, text_encoder_dtype)
         self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
@@ -34,7 +38,7 @@ class Conditioning:
     @torch.no_grad()
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32)."""
-        return self.text_encoder(input_ids.to(self.device))[0].float()
+        return self.text_encoder(to_device(input_ids, self.device))[0].float()
 
 
 def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):

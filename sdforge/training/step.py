@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model.diffusion import cfg_dropout, denoising_loss
+from model.diffusion import cfg_dropout, denoising_loss, to_device
 from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
@@ -122,7 +122,7 @@ def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch
     with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             per_sample = phase_loss(job.phase, job.objective, job.model.forward_module, job.conditioning.scheduler,
-                                    latents.to(dev), cond, gens)  # fmt: skip
+                                    to_device(latents, dev), cond, gens)  # fmt: skip
             loss = per_sample.mean()
         (loss * scale).backward()
     return per_sample.detach().float()

@@ -186,3 +186,47 @@ def test_train_stage_under_torchrun_with_one_rank(tmp_path):
     metrics = json.loads((tmp_path / "metrics/train/phase1.json").read_text())
     assert metrics["world_size"] == 1 and metrics["steps"] == 8 and np.isfinite(metrics["final_loss"])
     assert (tmp_path / "checkpoints/phase1/unet_ema/diffusion_pytorch_model.safetensors").is_file()
+
+
+def test_an_optimizer_step_does_not_synchronise_the_host_until_its_one_read():
+    """Issue 38: two micro-batches forward/backward and the optimizer step (clip, fused AdamW, schedule, foreach
+    EMA) under ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises. The step's one read
+    (``sdforge.training.step._read_step``) comes after it."""
+    from types import SimpleNamespace
+
+    from model.builders import noise_scheduler
+    from sdforge.config import NoiseSchedule, Phase
+    from sdforge.training.distributed import Dist, step_seeds
+    from sdforge.training.optimization import Optimization
+    from sdforge.training.state import TrainState
+    from sdforge.training.step import _read_step, micro_step
+    from sdforge.training.trained_model import FullUNet
+
+    dist = Dist(0, 1, 0, torch.device("cuda"))
+    cfg, phase = Train(ema_decay=0.9), Phase(mix={"a": 1.0}, samples=8, lr=1e-4, warmup_steps=1, cfg_dropout=0.5)
+    model = FullUNet(_unet(), dist)
+    optim = Optimization(model.trainable, phase, cfg, dist.device, "test", model.unet.config)
+    optim.plan(10)
+    scheduler = noise_scheduler(NoiseSchedule().model_dump())
+    scheduler.alphas_cumprod = scheduler.alphas_cumprod.cuda()
+    _, _, cond = _batch()
+    conditioning = SimpleNamespace(encode=lambda ids: cond, uncond=torch.zeros(1, 77, 64, device="cuda"),
+                                   scheduler=scheduler)  # fmt: skip
+    job = SimpleNamespace(dist=dist, conditioning=conditioning, phase=phase, cfg=cfg, model=model,
+                          objective="diffusion", attention=None)  # fmt: skip
+    state, latents, ids = TrainState(0, 0), torch.randn(4, 4, 16, 16), torch.zeros(4, 77, dtype=torch.long)
+
+    def step(n: int):
+        seeds = step_seeds(state.generator, 8)
+        losses = [micro_step(job, latents, ids, seeds[k * 4 : (k + 1) * 4], 0.5, sync=k == 1) for k in range(2)]
+        return torch.cat(losses), optim.step(n)
+
+    step(1)  # warm-up: allocations, cuDNN's first choices
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses, grad_norm = step(2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    per_sample, norm = _read_step(losses, grad_norm)
+    assert per_sample.shape == (8,) and torch.isfinite(per_sample).all() and norm > 0

@@ -118,3 +118,8 @@ def test_train_keys_stay_flat_and_errors_name_train_keys(demo_dict):
         demo_dict, checkpoints={"keep_last": 3}
     )
     assert "params.yaml: train.ema_decay: Input should be less than 1" in _train_error(demo_dict, ema_decay=1.5)
+
+
+def test_a_bare_yaml_on_or_off_is_read_as_the_word():
+    assert Train(**yaml.safe_load("async_checkpoint: on")).async_checkpoint == "on"
+    assert Train(**yaml.safe_load("async_checkpoint: off")).async_checkpoint == "off"
