@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: a real S3 (moto server) on loopback, the tiny demo data params."""
+"""Fixtures shared by every test package: a real S3 (moto server) on loopback, the tiny demo data params, the tiny
+training workspace's phase 1 trained straight through (the reference every resume test compares with)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from sdforge.config import Params, load_params
-from tests.fixtures import demo_data
+from tests.fixtures import demo_data, training
 
 
 @dataclass
@@ -25,6 +26,16 @@ class MotoS3:
 
     def url(self, prefix: str = "") -> str:
         return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+
+@pytest.fixture(scope="session")
+def straight_phase1(tmp_path_factory) -> Path:
+    """The tiny training workspace (tests/fixtures/training.py) with phase 1 trained uninterrupted by the stage CLI:
+    the reference of the resume tests. Shared: read it, clone it to change it (``training.clone_workspace``)."""
+    root = tmp_path_factory.mktemp("straight-phase1")
+    done = training.train(training.build_workspace(root), "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
 
 
 @pytest.fixture(scope="session")

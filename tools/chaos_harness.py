@@ -4,10 +4,10 @@ trained exactly once per epoch.
 
 ``python -m tools.chaos_harness`` clones HEAD (committed code only), shrinks the demo with the
 end-to-end profile (``tools.tiny_demo.shrink``) and gives phase 1 a two-source mix (LAION + DiffusionDB,
-64 samples, 2 epochs, global batch 16: 8 steps, a checkpoint every 3), runs ``dvc repro`` up to
-``mix_phase@phase1``, then trains ``train@phase1`` through the stage CLI (``python -m stages.train``,
-which launches torchrun for 2 ranks) under each *sequence* of :data:`SEQUENCES`: attempts on a given world
-size, each ended by an event once the run has logged a given step —
+64 samples, 2 epochs, global batch 16: 8 steps, a checkpoint every 3, written in the background), runs
+``dvc repro`` up to ``mix_phase@phase1``, then trains ``train@phase1`` through the stage CLI
+(``python -m stages.train``, which launches torchrun for 2 ranks) under each *sequence* of :data:`SEQUENCES`:
+attempts on a given world size, each ended by an event once the run has logged a given step —
 
 * ``kill`` — SIGKILL to the attempt's whole process group (a pod dying; can land inside a checkpoint write);
 * ``term`` — SIGTERM to the stage's process (a pod deletion; the launcher forwards it to torchrun, torchrun
@@ -94,7 +94,7 @@ def prepare(workdir: Path) -> Path:
     root = make_project(workdir / "project", free_port())
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["phases"][PHASE].update(mix={"laion": 0.5, "diffusiondb": 0.5}, samples=64, epochs=2, grad_accum=1)
-    params["train"].update(save_steps=3, keep_last=3)
+    params["train"].update(save_steps=3, keep_last=3, async_checkpoint="on")  # background writes (issue 38)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _dvc(root, "repro", f"mix_phase@{PHASE}")
     return root

@@ -56,11 +56,9 @@ def _assert_exactly_once(root: Path, steps: int = 6, global_batch: int = 16) -> 
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(straight_phase1):
     """The phase trained uninterrupted by one process (the reference)."""
-    root = tmp_path_factory.mktemp("straight")
-    assert train(build_workspace(root), "phase1").returncode == 0
-    return root
+    return straight_phase1
 
 
 def _same_weights(a: Path, b: Path, tol: float = 0.0) -> float:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from sdforge.io import InputError
 from sdforge.training.reporting import read_steps
-from tests.fixtures.training import TRAIN_UNET, build_workspace, clone_workspace, train, weights
+from tests.fixtures.training import TRAIN_UNET, build_workspace, clone_workspace, train, untrained_clone, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
 # A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
@@ -30,11 +30,10 @@ edit once deleted the run dir and started the phase afresh)."""
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    straight = tmp_path_factory.mktemp("straight")
+def runs(tmp_path_factory, straight_phase1):
+    straight = straight_phase1
     killed = tmp_path_factory.mktemp("killed")
-    p_straight, p_killed = build_workspace(straight), build_workspace(killed)
-    assert train(p_straight, "phase1").returncode == 0
+    p_killed = build_workspace(killed)
     died = train(p_killed, "phase1", kill_at=KILL_AT)  # a random step after the first checkpoint
     data = yaml.safe_load(p_killed.read_text())
     data["train"].update(BOOKKEEPING)
@@ -92,14 +91,14 @@ def test_sigkill_then_resume_is_bit_identical(runs):
 
 
 def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_one(runs, tmp_path):
-    """Checkpoints written in the background (``train.async_checkpoint: on``), each held 3 s inside its write: the
+    """Checkpoints written in the background (``train.async_checkpoint: on``), each held 2 s inside its write: the
     SIGKILL after step 4 lands while checkpoint 4 is written, so the run resumes from 3 — bit-identically."""
     straight = runs[0]
-    params = build_workspace(tmp_path)
+    params = untrained_clone(straight, tmp_path)
     data = yaml.safe_load(params.read_text())
     data["train"]["async_checkpoint"] = "on"
     params.write_text(yaml.safe_dump(data))
-    died = train(params, "phase1", env={"SDFORGE_KILL_IN_WRITE_AT_STEP": "4", "SDFORGE_SLOW_CHECKPOINT_S": "3"})
+    died = train(params, "phase1", env={"SDFORGE_KILL_IN_WRITE_AT_STEP": "4", "SDFORGE_SLOW_CHECKPOINT_S": "2"})
     assert died.returncode == -9 and "checkpoints in the background" in died.stderr, died.stderr[-3000:]
     run_dir = tmp_path / "runs/phase1"
     assert not (run_dir / "checkpoint-00000004").exists()  # its write was in flight (maybe not even begun)

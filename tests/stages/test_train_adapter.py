@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from sdforge.eval.sampling import load_pipeline
-from tests.fixtures.training import build_workspace, train, weights
+from tests.fixtures.training import clone_workspace, train, weights
 
 LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention"]}
 DORA = {"type": "dora", "rank": 2, "targets": ["cross_attention"], "merge": False}
@@ -27,20 +27,20 @@ KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def adapter_workspace(root: Path, adapter: dict) -> Path:
-    """The tiny workspace with phase 1 trained (full) and phase 2 an adapter phase on it."""
-    params_file = build_workspace(root)
+def adapter_workspace(straight_phase1: Path, root: Path, adapter: dict) -> Path:
+    """The tiny workspace with phase 1 trained (full: a copy of the shared one) and phase 2 an adapter phase on it
+    (phase 2's keys are no input of phase 1: its finished run stays valid)."""
+    params_file = clone_workspace(straight_phase1, root)
     data = yaml.safe_load(params_file.read_text())
     data["phases"]["phase2"].update(adapter=adapter, lr=5e-3)
     params_file.write_text(yaml.safe_dump(data))
-    assert train(params_file, "phase1").returncode == 0
     return params_file
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    straight = adapter_workspace(tmp_path_factory.mktemp("straight"), LORA)
-    killed = adapter_workspace(tmp_path_factory.mktemp("killed"), LORA)
+def runs(tmp_path_factory, straight_phase1):
+    straight = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("straight"), LORA)
+    killed = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("killed"), LORA)
     done = train(straight, "phase2")
     assert done.returncode == 0, done.stderr[-3000:]
     died = train(killed, "phase2", kill_at=KILL_AT)
@@ -89,8 +89,8 @@ def test_only_the_adapter_trained_and_its_share_is_reported(runs):
     assert state["adapter"]["merge"] is True and state["objective"] == "diffusion"
 
 
-def test_dora_unmerged_keeps_the_base_and_eval_applies_the_adapter(tmp_path):
-    params_file = adapter_workspace(tmp_path, DORA)
+def test_dora_unmerged_keeps_the_base_and_eval_applies_the_adapter(tmp_path, straight_phase1):
+    params_file = adapter_workspace(straight_phase1, tmp_path, DORA)
     done = train(params_file, "phase2")
     assert done.returncode == 0, done.stderr[-3000:]
     root = params_file.parent

@@ -1,6 +1,7 @@
 """train stage with ``caption_mix``: the realised mix of original and synthetic captions is the planned one within
-sampling error, the ledger records each sample's choice, the synthetic ids are what trains, a SIGKILLed run
-resumes to bit-identical weights, and two ranks choose the same captions as one process."""
+sampling error, the ledger records each sample's choice, the synthetic ids are what trains, a run crashed after
+step 4 resumes to bit-identical weights, and two ranks choose the same captions as one process (the one-process
+runs in process: ``stages.train.run``; SIGKILL and resume through the CLI: tests/stages/test_train.py)."""
 
 from __future__ import annotations
 
@@ -15,27 +16,44 @@ import torch
 import yaml
 
 from sdforge.config import load_params
+from sdforge.io import write_json
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
-from tests.fixtures.training import DDP_MAX_ABS_DIFF, SAMPLES, build_workspace, train, weights
+from stages import train as train_stage
+from tests.fixtures.toy_job import CrashAfter
+from tests.fixtures.training import DDP_MAX_ABS_DIFF, SAMPLES, build_workspace, clone_workspace, train, weights
 
 SHARE = 0.5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SDFORGE_PROGRESS", "0")
     roots = {name: tmp_path_factory.mktemp(name) for name in ("straight", "killed", "originals", "two_ranks")}
-    files = {name: build_workspace(root, SHARE if name != "originals" else 0.0) for name, root in roots.items()}
+    base = build_workspace(roots["straight"], SHARE).parent
+    files = {name: clone_workspace(base, roots[name]) for name in ("killed", "two_ranks")}
+    files["straight"] = base / "params.yaml"
+    files["originals"] = build_workspace(roots["originals"], 0.0)
     data = yaml.safe_load(files["two_ranks"].read_text())
     data["train"]["nproc_per_node"] = 2
     data["phases"]["phase1"]["batch_size"] = 4  # 4 × accumulation 2 × 2 ranks: the same global batch 16
     files["two_ranks"].write_text(yaml.safe_dump(data))
-    for name in ("straight", "originals", "two_ranks"):
-        done = train(files[name], "phase1")
-        assert done.returncode == 0, done.stderr[-3000:]
-    assert train(files["killed"], "phase1", kill_at=4).returncode == -9
-    resumed = train(files["killed"], "phase1")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = train(files["two_ranks"], "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("straight", "originals"):
+        _train_here(files[name])
+    with pytest.raises(RuntimeError, match="crashed after step 4"):
+        _train_here(files["killed"], [CrashAfter(4)])
+    _train_here(files["killed"])
+    mp.undo()
     return roots
+
+
+def _train_here(params_file: Path, hooks=()) -> None:
+    """The stage's ``run`` in this process, its metrics written where the CLI writes them."""
+    params = load_params(params_file)
+    metrics = train_stage.run(params, "phase1", hooks=list(hooks))
+    write_json(Path(params.paths.metrics) / "train" / "phase1.json", metrics)
 
 
 def _metrics(root: Path) -> dict:
@@ -65,7 +83,7 @@ def test_the_ledger_records_the_choice_made_from_seed_sample_and_epoch(runs):
     assert sum(ledger["synthetic"]) == _metrics(root)["caption.laion.synthetic"]
 
 
-def test_a_killed_run_with_a_caption_mix_resumes_bit_identical(runs):
+def test_a_crashed_run_with_a_caption_mix_resumes_bit_identical(runs):
     for sub in ("unet", "unet_ema"):
         a, b = weights(runs["straight"], "phase1", sub), weights(runs["killed"], "phase1", sub)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume"

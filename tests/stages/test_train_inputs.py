@@ -16,7 +16,7 @@ from sdforge.config import Effect, Phase, Train, keys_by_effect, load_params
 from sdforge.training.run_dir import STALE_NOTE, stale_runs
 from stages import train
 from tests.fixtures.toy_job import CrashAfter
-from tests.fixtures.training import build_workspace, clone_workspace, edit_params, tiny_params, weights
+from tests.fixtures.training import clone_workspace, edit_params, tiny_params, untrained_clone, weights
 
 CHANGES = {
     "train": {
@@ -49,19 +49,17 @@ def _files(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The tiny workspace, the phase trained straight through in it, and a copy crashed after step 3 (newest
-    checkpoint: step 2)."""
+def built(tmp_path_factory, straight_phase1):
+    """The tiny workspace before training, the phase trained straight through in it (the shared reference), and a
+    copy crashed after step 3 (newest checkpoint: step 2)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("SDFORGE_PROGRESS", "0")
     base = tmp_path_factory.mktemp("base")
-    build_workspace(base)
-    straight = tmp_path_factory.mktemp("straight")
-    _train(clone_workspace(base, straight))
+    untrained_clone(straight_phase1, base)
     crashed = tmp_path_factory.mktemp("crashed")
     with pytest.raises(RuntimeError, match="crashed after step 3"):
         _train(clone_workspace(base, crashed), [CrashAfter(3)])
-    yield base, straight, crashed
+    yield base, straight_phase1, crashed
     mp.undo()
 
 

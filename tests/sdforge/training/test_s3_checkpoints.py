@@ -150,17 +150,16 @@ def test_background_uploads_mirror_retention(moto_s3, tmp_path):
 
 
 # -- end to end: the train stage on a "fresh pod" ------------------------------------------------
-def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch):
+def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch, straight_phase1):
     from tests.fixtures.training import build_workspace, train, weights
 
-    straight, pod = tmp_path / "straight", tmp_path / "pod"
-    straight.mkdir(), pod.mkdir()
-    p_straight, p_pod = build_workspace(straight), build_workspace(pod)
+    straight, pod = straight_phase1, tmp_path / "pod"
+    pod.mkdir()
+    p_pod = build_workspace(pod)
     data = yaml.safe_load(p_pod.read_text())
     data["train"]["checkpoint_s3"] = moto_s3.url("ckpts")
     p_pod.write_text(yaml.safe_dump(data))
     monkeypatch.setenv("SDFORGE_CHECKPOINT_UPLOAD", "sync")  # uploads finish before the kill
-    assert train(p_straight, "phase1").returncode == 0
     died = train(p_pod, "phase1", kill_at=3)
     assert died.returncode == -9, died.stderr[-3000:]
     assert any(k.endswith("/checkpoint-00000002/COMPLETE") for k in keys(moto_s3, "ckpts/phase1/"))

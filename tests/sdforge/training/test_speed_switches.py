@@ -84,6 +84,7 @@ def test_math_attention_trains_like_torchs_choice():
     print(f"math vs auto: {_close(_losses(attention='math'), _losses()):.2g} relative")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "unet"])
 def test_compiled_graphs_train_like_eager(mode):
     """Dynamo + AOTAutograd (the ``aot_eager`` backend: the graphs inductor would get, run eagerly)."""
