@@ -24,11 +24,15 @@ STEPS, BATCH = 20, 4
 CPU = Dist(0, 1, 0, torch.device("cpu"))
 
 
-def _losses(compile_: str = "off", attention: str = "auto", backend: str | None = None) -> list[float]:
+def _losses(
+    compile_: str = "off", attention: str = "auto", backend: str | None = None, channels_last: bool = False
+) -> list[float]:
     """Mean loss of each of 20 optimizer steps of a tiny UNet trained with the real micro-step and optimization."""
     cfg = Train(compile=compile_, attention=attention, ema_decay=0.9)
     phase = Phase(mix={"a": 1.0}, samples=8, lr=1e-3, warmup_steps=2, cfg_dropout=0.2)
     unet = build_unet(unet_config(TRAIN_UNET), seed=0).train()
+    if channels_last:  # as build_trained_model applies train.channels_last
+        unet.to(memory_format=torch.channels_last)
     if backend is None:
         compile_unet(unet, compile_)
     else:  # the switch's logic with a cheaper backend than inductor
@@ -82,6 +86,10 @@ def test_compile_blocks_compiles_each_repeated_block_and_keeps_the_parameter_nam
 
 def test_math_attention_trains_like_torchs_choice():
     print(f"math vs auto: {_close(_losses(attention='math'), _losses()):.2g} relative")
+
+
+def test_channels_last_trains_like_the_contiguous_layout():
+    print(f"channels_last vs contiguous: {_close(_losses(channels_last=True), _losses()):.2g} relative")
 
 
 @pytest.mark.slow
