@@ -69,12 +69,14 @@ def result_hashes(root: Path) -> dict[str, str]:
 
 
 def lock_outs(root: Path) -> dict[str, str]:
-    """Every DVC output's md5 from ``dvc.lock`` (metrics JSONs excluded: they hold timings)."""
+    """Every DVC output's md5 from ``dvc.lock``, except those that hold timings: the metrics JSONs and the report
+    page (its table shows each phase's train seconds and samples/s; the figures it draws from are compared as
+    metrics-free outputs and grids)."""
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     outs = {}
     for name, stage in lock["stages"].items():
         for out in stage.get("outs", []):
-            if not out["path"].startswith("metrics/"):
+            if not out["path"].startswith("metrics/") and not out["path"].endswith("report.html"):
                 outs[f"{name}:{out['path']}"] = out["md5"]
     return outs
 

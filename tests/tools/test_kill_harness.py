@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tools import kill_harness as kh
 
@@ -129,3 +130,17 @@ def test_a_target_can_name_one_stage_and_keeps_its_place_in_dag_order():
     order = ["make_demo_data", "prepare_models", "caption_images@laion", "caption_images@webdump", "train@phase1"]
     got = kh.order_targets(collections.deque(["train", "caption_images@webdump", "prepare_models"]), order)
     assert list(got) == ["prepare_models", "caption_images@webdump", "train"]
+
+
+def test_outputs_that_hold_timings_are_left_out_of_the_byte_comparison(tmp_path):
+    from tools.kill_checks import lock_outs
+
+    stages = {
+        "train@phase1": {
+            "outs": [{"path": "checkpoints/phase1", "md5": "a"}, {"path": "metrics/train/p1.json", "md5": "b"}]
+        },
+        "report": {"outs": [{"path": "eval/report.html", "md5": "c"}]},
+        "eval_grid@phase1": {"outs": [{"path": "eval/phase1", "md5": "d"}]},
+    }
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": stages}))
+    assert lock_outs(tmp_path) == {"train@phase1:checkpoints/phase1": "a", "eval_grid@phase1:eval/phase1": "d"}
