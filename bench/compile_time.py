@@ -29,7 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from bench._common import load_average, machine, result_line
+from model.builders import build_unet, unet_config
+from model.precision import uses_bf16_autocast
+from model.speed import compile_seconds, compile_unet
+from sdforge.config import load_params
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yaml"}
@@ -37,14 +44,6 @@ CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yam
 
 def measure_mode(config: str, mode: str, device_name: str, batch: int) -> dict[str, float]:
     """In this process: compile ``mode`` and time three forward + backward passes (see the module docstring)."""
-    import torch
-    import torch.nn.functional as F
-
-    from model.builders import build_unet, unet_config
-    from model.precision import uses_bf16_autocast
-    from model.speed import compile_seconds, compile_unet
-    from sdforge.config import load_params
-
     params = load_params(CONFIGS[config])
     device = torch.device(device_name)
     unet = build_unet(unet_config(params.models.unet.model_dump()), seed=0).to(device).train()
@@ -108,8 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(measure_mode(config, args.child, args.device, args.batch)))
         return
-    import torch
-
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     where = machine() + (f", {torch.cuda.get_device_name()}" if device == "cuda" else "")
     print(f"machine: {where}; load {load_average()}; torch {torch.__version__}; config {config}, batch {args.batch}")

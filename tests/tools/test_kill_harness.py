@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tools import kill_harness as kh
+from tools.kill_checks import lock_outs
 
 # `count` appends one line per 0.2 s to counts.txt up to 15 and resumes from what is there
 COUNT = textwrap.dedent("""\
@@ -133,8 +134,6 @@ def test_a_target_can_name_one_stage_and_keeps_its_place_in_dag_order():
 
 
 def test_outputs_that_hold_timings_are_left_out_of_the_byte_comparison(tmp_path):
-    from tools.kill_checks import lock_outs
-
     stages = {
         "train@phase1": {
             "outs": [{"path": "checkpoints/phase1", "md5": "a"}, {"path": "metrics/train/p1.json", "md5": "b"}]
