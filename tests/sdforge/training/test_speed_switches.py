@@ -61,9 +61,14 @@ def _compile_with(unet: torch.nn.Module, mode: str, backend: str) -> None:
         module.compile(backend=backend, dynamic=False)
 
 
-def _close(a: list[float], b: list[float], rel: float = 1e-3) -> float:
+REL = 1e-3
+"""Issue 38's bound: each step's loss within 1e-3 relative of eager."""
+
+
+def _worst(a: list[float], b: list[float]) -> float:
+    """The largest per-step relative loss difference (printed with -s: the figures in bench/README.md)."""
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-    assert worst <= rel, f"losses differ by {worst:.3g} relative (> {rel})"
+    print(f"worst relative loss difference: {worst:.2g}")
     return worst
 
 
@@ -85,22 +90,22 @@ def test_compile_blocks_compiles_each_repeated_block_and_keeps_the_parameter_nam
 
 
 def test_math_attention_trains_like_torchs_choice():
-    print(f"math vs auto: {_close(_losses(attention='math'), _losses()):.2g} relative")
+    assert _worst(_losses(attention="math"), _losses()) <= REL
 
 
 def test_channels_last_trains_like_the_contiguous_layout():
-    print(f"channels_last vs contiguous: {_close(_losses(channels_last=True), _losses()):.2g} relative")
+    assert _worst(_losses(channels_last=True), _losses()) <= REL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "unet"])
 def test_compiled_graphs_train_like_eager(mode):
     """Dynamo + AOTAutograd (the ``aot_eager`` backend: the graphs inductor would get, run eagerly)."""
-    print(f"{mode} (aot_eager) vs eager: {_close(_losses(mode, backend='aot_eager'), _losses()):.2g} relative")
+    assert _worst(_losses(mode, backend="aot_eager"), _losses()) <= REL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "unet"])
 def test_inductor_compiled_step_trains_like_eager(mode):
     """The real switch (inductor): minutes of compile on a CPU."""
-    print(f"{mode} (inductor) vs eager: {_close(_losses(mode), _losses()):.2g} relative")
+    assert _worst(_losses(mode), _losses()) <= REL
