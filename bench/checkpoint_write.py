@@ -26,8 +26,20 @@ about 3.44 GB of live weights + 3.44 GB EMA + 6.9 GB optimizer state.
 ``fits_30s`` / ``fits_120s``: whether ours ends within a 30 s (Kubernetes' default
 ``terminationGracePeriodSeconds``, GCP spot preemption notice) or 120 s (AWS spot interruption notice)
 grace period. ``bytes`` = the total size of the written checkpoint directory. Last line:
-``RESULT name=checkpoint_write ratio=... ours_s=... baseline_s=... bytes=... write_s=... hash_s=...
-fits_30s=yes|no fits_120s=yes|no machine=...``.
+``RESULT name=checkpoint_write ratio=... ours_s=... baseline_s=... bytes=... write_s=... hash_s=... stall_s=...
+first_stall_s=... hold_s=... wait_s=... cost_s=... inline_stall_s=... inline_hold_s=... inline_cost_s=... step_s=...
+async_write_s=... scale=... fits_30s=yes|no fits_120s=yes|no machine=...``.
+
+**In the background** (``train.async_checkpoint: on``, :func:`measure_stall`): the real checkpoint manager, each
+save followed by real training steps (forward + backward of the same UNet, batch 1, 32×32 latents) until its
+write is done. ``stall_s`` = how much longer the step right after the save takes than the same step alone
+(median of 3 rounds), ``hold_s`` = how long ``save()`` holds the training thread, ``wait_s`` = how long that
+step's optimizer update waits for the snapshot copy, ``cost_s`` = how much longer all the steps until the write
+is done take than as many steps alone (the checkpoint's whole price to training: on a CPU the copy and the
+write compete with training for the cores), ``first_stall_s`` = the first save's stall (it allocates the host
+buffers). ``inline_*``: the same with the copy made on the training thread inside ``save()`` instead of
+deferred to the writer thread. ``--scale auto`` (the CPU default) narrows every block width in steps of 0.05
+until the state, its host copy and the step's gradients fit in free memory.
 
 Files go to a temporary directory under ``--dir`` (default ``<repo>/.bench/checkpoint_write``, git-ignored,
 on the repository's filesystem); ours is deleted before the baseline is written and everything is deleted
@@ -60,6 +72,7 @@ import gc
 import os
 import resource
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -207,30 +220,93 @@ class _StateJob(JobEvents):
         self.dist = Dist(0, 1, 0, next(unet.parameters()).device)
         self.model = FullUNet(unet, self.dist)
         self.plan = SimpleNamespace(global_batch=GLOBAL_BATCH)
-        self.optim = SimpleNamespace(state_dict=lambda: {k: state[k] for k in ("optimizer", "lr_scheduler", "ema")})
+        parts = ("optimizer", "lr_scheduler", "ema")
+        self.optim = SimpleNamespace(state_dict=lambda: {k: state[k] for k in parts}, snapshot_read=None)
         self.state = TrainState(0, 0)
         empty = np.zeros(0, np.int64)
         self.data = SimpleNamespace(sources=["bench"], source_code=empty, shard=empty, row=empty)
 
 
-def measure_stall(unet, state: dict, params, run_dir: Path) -> dict[str, float]:
-    """The real checkpoint manager writing in the background (``async_checkpoint: on``): how long two saves hold
-    the step (the first allocates the host buffers, the second reuses them) and how long each write then takes
-    in the background; the two checkpoints verify."""
+def next_training_step(unet, device) -> None:
+    """What training does between a checkpoint and its next optimizer update: one forward and backward (batch 1,
+    32×32 latents; they read the weights the background copy reads), the gradients dropped after."""
+    cfg = unet.config
+    latents = torch.randn(1, cfg.in_channels, 32, 32, device=device)
+    text = torch.randn(1, 77, cfg.cross_attention_dim, device=device)
+    out = unet(latents, torch.tensor([500], device=device), encoder_hidden_states=text).sample
+    out.float().pow(2).mean().backward()
+    unet.zero_grad(set_to_none=True)
+
+
+def settle(optim) -> None:
+    """``Optimization.settle`` on the bench's job: wait for a deferred (CPU) snapshot copy, if any."""
+    wait, optim.snapshot_read = optim.snapshot_read, None
+    if wait is not None:
+        wait()
+
+
+def measure_stall(unet, state: dict, params, run_dir: Path, rounds: int = 3) -> dict[str, float]:
+    """The real checkpoint manager writing in the background (``async_checkpoint: on``). Each round times one
+    training step alone, then a save followed by the same step and the wait before its optimizer update
+    (``Optimization.settle``); the round's stall is the difference — on a CPU it includes the background copy's
+    and write's competition for the cores. Training then goes on until the write is done: ``cost`` is how much
+    longer those steps took than as many steps alone (the whole price of the checkpoint to training). The first
+    round allocates the host buffers (``first_stall``); then
+    ``rounds`` rounds of each copy mode alternate — ``deferred`` (the writer thread copies behind the step, the
+    trainer's default) and ``inline`` (the training thread copies inside ``save``) — and each mode's stall is
+    its median. Also: how long ``save()`` itself holds the caller (median) and the slowest write behind it.
+    Every checkpoint verifies."""
+    device = next(unet.parameters()).device
     job = _StateJob(unet, state, params, "on")
     manager = CheckpointManager(job, run_dir, "bench")
-    stalls, writes = [], []
-    for step in (STEP, STEP + 1):
+    next_training_step(unet, device)  # warm-up
+    seen: dict[str, dict[str, list[float]]] = {}
+    modes = ["first"] + ["inline", "deferred"] * rounds
+    for step, mode in enumerate(modes, start=STEP):
+        manager.defer_copy = mode != "inline"
+        alone = _timed(next_training_step, unet, device)
         job.state.progress.step = step
         t0 = time.perf_counter()
         manager.save()
-        stalls.append(time.perf_counter() - t0)
-        path = manager.finish_writes()  # a real run trains on here; the bench waits to time the write alone
-        writes.append(time.perf_counter() - t0 - stalls[-1])
+        hold = time.perf_counter() - t0
+        next_training_step(unet, device)
+        t_settle = time.perf_counter()
+        settle(job.optim)
+        wait = time.perf_counter() - t_settle
+        stall = time.perf_counter() - t0 - alone
+        steps = 1
+        while manager.writer.busy:  # training goes on while the write runs: what does it cost those steps?
+            next_training_step(unet, device)
+            steps += 1
+        total = time.perf_counter() - t0 - steps * alone
+        path = manager.finish_writes()
+        write = time.perf_counter() - t0  # save to written, with training running beside it
         checkpoints.verify_checkpoint(path)
+        for key, value in (("alone", alone), ("stall", stall), ("cost", total), ("steps", steps), ("hold", hold),
+                           ("wait", wait), ("write", write)):  # fmt: skip
+            seen.setdefault(mode, {}).setdefault(key, []).append(value)
     manager.close()
-    return {"first_stall_s": stalls[0], "stall_s": stalls[1], "async_write_s": max(writes),
-            "buffers_bytes": manager.buffers.nbytes}  # fmt: skip
+    for mode, values in seen.items():
+        print(f"background, {mode} copy: " + "; ".join(f"{k} {_fmt(v)} s" for k, v in values.items()))
+    med = {mode: {k: statistics.median(v) for k, v in values.items()} for mode, values in seen.items()}
+    return {
+        "first_stall_s": med["first"]["stall"], "stall_s": med["deferred"]["stall"], "hold_s": med["deferred"]["hold"],
+        "wait_s": med["deferred"]["wait"],
+        "inline_stall_s": med["inline"]["stall"], "inline_hold_s": med["inline"]["hold"],
+        "cost_s": med["deferred"]["cost"], "inline_cost_s": med["inline"]["cost"],
+        "step_s": statistics.median(seen["inline"]["alone"] + seen["deferred"]["alone"]),
+        "async_write_s": max(max(v["write"]) for v in seen.values()), "buffers_bytes": manager.buffers.nbytes,
+    }  # fmt: skip
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 def scaled_spec(spec: dict, scale: float) -> dict:
@@ -244,11 +320,12 @@ def parameters_of(spec: dict) -> int:
 
 
 def fitting_scale(spec: dict) -> float:
-    """1.0 when the state and its host copy (2 × 16 bytes per parameter) fit in free memory, else the largest
-    width scale, in steps of 0.05, that does."""
+    """1.0 when training's state, its host copy and the next step's gradients (36 bytes per parameter: weights,
+    EMA, two AdamW moments, their copy, gradients) fit in free memory, else the largest width scale, in steps
+    of 0.05, that does."""
     free = memory_available() - MEMORY_MARGIN_BYTES
     for scale in [1 - 0.05 * i for i in range(15)]:
-        if 32 * parameters_of(scaled_spec(spec, scale)) <= free:
+        if 36 * parameters_of(scaled_spec(spec, scale)) <= free:
             return round(scale, 2)
     return 0.3
 
@@ -269,14 +346,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="a small UNet (seconds; timings meaningless)")
     ap.add_argument("--dir", type=Path, default=REPO / ".bench" / "checkpoint_write",
                     help="where the temporary checkpoints go (same filesystem as the runs, ideally)")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (model build only)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads (default 0: torch's own, every core, as the trainer runs)")
     ap.add_argument("--baseline-first", action="store_true", help="write the baseline before ours (order check)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the state lives (cuda: the background write copies it to pinned host memory)")
     ap.add_argument("--scale", default="auto", help="block-width scale of the UNet; auto: 1 when the state and a "
                     "host copy of it fit in free memory (the background write's), else the largest that does")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     params = load_params(FULL_PARAMS)
     spec = QUICK_UNET if args.quick else params.models.unet.model_dump()
     device = torch.device(args.device)
@@ -336,12 +415,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"baseline: {baseline_s:.2f} s for {base['bytes']:,} bytes ({base['bytes'] / baseline_s / 1e6:.0f} MB/s)")
     print(f"hashing share of ours: {hash_s / ours_s:.0%}; peak RSS {peak_rss_mib():.0f} MiB; "
           f"load average {load_average()}")  # fmt: skip
-    print(f"in the background (async_checkpoint: on): the step waits {stall['stall_s']:.2f} s "
-          f"({stall['first_stall_s']:.2f} s the first time, allocating {stall['buffers_bytes'] / 2**30:.2f} GiB of "
-          f"host buffers) instead of {ours_s:.2f} s; the write then takes {stall['async_write_s']:.2f} s behind it")
+    print(f"in the background (async_checkpoint: on): the step after a checkpoint takes {stall['stall_s']:.2f} s "
+          f"longer than the same step alone ({stall['step_s']:.2f} s; {stall['first_stall_s']:.2f} s longer the "
+          f"first time, allocating {stall['buffers_bytes'] / 2**30:.2f} GiB of host buffers), save() itself holds it "
+          f"{stall['hold_s']:.2f} s and its update waits {stall['wait_s']:.2f} s, all steps until the write is done "
+          f"{stall['cost_s']:.2f} s longer; copying "
+          f"inline instead: {stall['inline_stall_s']:.2f} / {stall['inline_hold_s']:.2f} / "
+          f"{stall['inline_cost_s']:.2f} s; "
+          f"blocking: {ours_s:.2f} s; the write takes up to {stall['async_write_s']:.2f} s behind training")
     print(result_line(
         "checkpoint_write", baseline_s / ours_s, ours_s=ours_s, baseline_s=baseline_s, bytes=size,
         write_s=write_s, hash_s=hash_s, stall_s=stall["stall_s"], first_stall_s=stall["first_stall_s"],
+        hold_s=stall["hold_s"], wait_s=stall["wait_s"], cost_s=stall["cost_s"], inline_stall_s=stall["inline_stall_s"],
+        inline_hold_s=stall["inline_hold_s"], inline_cost_s=stall["inline_cost_s"],
+        step_s=stall["step_s"],
         async_write_s=stall["async_write_s"], scale=scale, fits_30s=yes_no(ours_s <= GRACE_PERIODS[0]),
         fits_120s=yes_no(ours_s <= GRACE_PERIODS[1]), machine=machine(),
     ))  # fmt: skip

@@ -6,6 +6,11 @@ the files, their sha256 manifest and the upload happen on a writer thread while 
   stream before the next step's in-place updates; the writer waits on a CUDA event, the training thread never
   synchronises), plain memory on a CPU. Live weights get contiguous buffers (safetensors); optimizer and EMA
   state keep their layout (``torch.save`` keeps strides, so a resumed run's state is laid out as before).
+- On a CPU the copy itself is a memory copy as long as the state (~2 s for 10 GiB on a 2-core VM), so it is
+  *deferred*: the writer thread makes it first, while the next step's forward and backward run (they only read
+  the weights), and the trainer waits for it (:meth:`BackgroundWriter.wait_copied`, through
+  ``Optimization.settle``) only before something changes the weights, the optimizer or the EMA — the next
+  optimizer update, or validation swapping the EMA weights in.
 - :class:`BackgroundWriter` runs one write at a time: a new snapshot first waits for the write in flight (its
   buffers are about to be reused), so memory holds at most one extra copy of the state.
 
@@ -41,18 +46,19 @@ class HostBuffers:
         self.pinned = pinned
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def copy(self, value, path: str = "", contiguous: bool = False):
-        """``value`` with every tensor replaced by its host buffer, filled now (asynchronously on CUDA)."""
+    def copy(self, value, path: str = "", contiguous: bool = False, deferred: list | None = None):
+        """``value`` with every tensor replaced by its host buffer, filled now (asynchronously on CUDA) — or, with
+        ``deferred``, left to fill: its ``(buffer, tensor)`` pairs are appended there for :func:`fill`."""
         if isinstance(value, torch.Tensor):
-            return self._copy_tensor(value.detach(), path, contiguous)
+            return self._copy_tensor(value.detach(), path, contiguous, deferred)
         if isinstance(value, dict):
-            return {k: self.copy(v, f"{path}/{k}", contiguous) for k, v in value.items()}
+            return {k: self.copy(v, f"{path}/{k}", contiguous, deferred) for k, v in value.items()}
         if isinstance(value, list | tuple):
-            copied = [self.copy(v, f"{path}/{i}", contiguous) for i, v in enumerate(value)]
+            copied = [self.copy(v, f"{path}/{i}", contiguous, deferred) for i, v in enumerate(value)]
             return copied if isinstance(value, list) else tuple(copied)
         return value
 
-    def _copy_tensor(self, tensor: torch.Tensor, path: str, contiguous: bool) -> torch.Tensor:
+    def _copy_tensor(self, tensor: torch.Tensor, path: str, contiguous: bool, deferred: list | None) -> torch.Tensor:
         buf = self.buffers.get(path)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = self.pinned and tensor.device.type == "cuda"
@@ -61,12 +67,21 @@ class HostBuffers:
             else:
                 buf = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, pin_memory=pin)
             self.buffers[path] = buf
-        buf.copy_(tensor, non_blocking=buf.is_pinned())
+        if deferred is None:
+            buf.copy_(tensor, non_blocking=buf.is_pinned())
+        else:
+            deferred.append((buf, tensor))
         return buf
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+def fill(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``(buffer, tensor)`` pair of :meth:`HostBuffers.copy`'s ``deferred`` list."""
+    for buf, tensor in pairs:
+        buf.copy_(tensor)
 
 
 def state_bytes(value) -> int:
@@ -109,6 +124,9 @@ class BackgroundWriter:
 
     def __init__(self):
         self.thread: threading.Thread | None = None
+        self.copied = threading.Event()
+        """Set once the write in flight no longer reads the training state (at once unless a copy was deferred)."""
+        self.copied.set()
         self.result: Path | None = None
         self.error: BaseException | None = None
         self.write_s: float | None = None
@@ -116,25 +134,44 @@ class BackgroundWriter:
 
     @property
     def in_flight(self) -> bool:
+        """Whether a write was submitted and not yet waited for."""
         return self.thread is not None
 
-    def submit(self, write: Callable[[], Path], ready: torch.cuda.Event | None = None) -> None:
-        """Start ``write()`` on the writer thread (after ``ready``, the snapshot's copies, completes)."""
+    @property
+    def busy(self) -> bool:
+        """Whether the write in flight is still running."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def submit(self, write: Callable[[], Path], ready: torch.cuda.Event | None = None, copy: Callable | None = None):
+        """Start ``write()`` on the writer thread: after ``ready`` (the snapshot's CUDA copies) completes, or after
+        ``copy()`` (a deferred CPU copy: :meth:`wait_copied` waits for it)."""
         self.wait()
         self.result = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(write, ready), name="sdforge-checkpoint", daemon=True)
+        if copy is not None:
+            self.copied.clear()
+        args = (write, ready, copy)
+        self.thread = threading.Thread(target=self._run, args=args, name="sdforge-checkpoint", daemon=True)
         self.thread.start()
 
-    def _run(self, write: Callable[[], Path], ready) -> None:
+    def _run(self, write: Callable[[], Path], ready, copy) -> None:
         t0 = time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()
+            if copy is not None:
+                try:
+                    copy()
+                finally:
+                    self.copied.set()
             self.result = write()
         except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
             self.error = err
         finally:
             self.write_s = max(time.perf_counter() - t0, self.write_s or 0.0)
+
+    def wait_copied(self) -> None:
+        """Wait until the write in flight has copied the training state (it may go on writing)."""
+        self.copied.wait()
 
     def wait(self) -> Path | None:
         """Wait for the write in flight (if any); its checkpoint, or a CheckpointWriteError with its cause."""

@@ -29,6 +29,7 @@ from sdforge.training.async_checkpoint import (
     CheckpointWriteError,
     HostBuffers,
     choose_async,
+    fill,
     state_bytes,
 )
 from sdforge.training.checkpoints import STATE, CheckpointError, Retention, capture_rng, restore_rng, rng_path
@@ -67,6 +68,9 @@ class CheckpointManager:
         self.writer = BackgroundWriter()
         self.asynchronous: bool | None = None  # decided at the first save (train.async_checkpoint)
         self.buffers: HostBuffers | None = None
+        self.defer_copy = True
+        """On a CPU, whether the writer thread makes the snapshot's copy behind the next step (else the training
+        thread makes it inside ``save``): ``bench.checkpoint_write`` measures both."""
 
     # -- restore ---------------------------------------------------------------------------
     def restore_newest(self) -> Path | None:
@@ -167,18 +171,29 @@ class CheckpointManager:
             self._write_ledger(records)
             snapshot = (copy.copy(job.state.progress), list(job.state.ledger_segments), rng, loss)
             if asynchronous:
-                live = self.buffers.copy(job.model.live_tensors(), "live", contiguous=True)
-                state = self.buffers.copy(state, "state")
-                ready = torch.cuda.Event() if dist.device.type == "cuda" else None
-                if ready is not None:
-                    ready.record()
-                self.writer.submit(lambda: self._write(*snapshot, live, state), ready)
-                path = self.writer.wait() if wait else None
+                path = self._submit(snapshot, state, wait)
             else:
                 path = self._write(*snapshot, job.model.live_tensors(), state)
         if dist.world > 1 and (wait or not asynchronous):
             torch.distributed.barrier()
         return path
+
+    def _submit(self, snapshot: tuple, state: dict, wait: bool) -> Path | None:
+        """The background write of ``state`` and the live weights: copied into the host buffers now on CUDA (queued
+        on the stream), or by the writer thread on a CPU while the next step runs up to its optimizer update
+        (``Optimization.settle`` waits for the copy there)."""
+        cuda = self.job.dist.device.type == "cuda"
+        deferred = [] if self.defer_copy and not cuda else None
+        live = self.buffers.copy(self.job.model.live_tensors(), "live", contiguous=True, deferred=deferred)
+        state = self.buffers.copy(state, "state", deferred=deferred)
+        ready = torch.cuda.Event() if cuda else None
+        if ready is not None:
+            ready.record()
+        copy = None if deferred is None else (lambda: fill(deferred))
+        self.writer.submit(lambda: self._write(*snapshot, live, state), ready, copy)
+        if copy is not None:
+            self.job.optim.snapshot_read = self.writer.wait_copied
+        return self.writer.wait() if wait else None
 
     def _asynchronous(self, state: dict) -> bool:
         """Whether this run writes in the background: rank 0 decides at the first checkpoint (logged), every rank

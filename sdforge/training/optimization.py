@@ -3,6 +3,8 @@ explicit peak LR, gradient clipping and the EMA — one stateful component of a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from diffusers import UNet2DConditionModel
 
@@ -29,6 +31,15 @@ class Optimization:
             model_config=unet_config,
         )
         self.ema.to(self.ema_device)
+        self.snapshot_read: Callable[[], None] | None = None
+        """Set while a background checkpoint still copies the weights, optimizer and EMA state (a CPU run,
+        :mod:`sdforge.training.async_checkpoint`): :meth:`settle` waits for it before anything changes them."""
+
+    def settle(self) -> None:
+        """Wait until a background checkpoint has copied the state this component changes (none: returns)."""
+        if self.snapshot_read is not None:
+            wait, self.snapshot_read = self.snapshot_read, None
+            wait()
 
     def plan(self, total_steps: int) -> None:
         """Warm-up + cosine over ``total_steps`` optimizer steps from the phase's peak LR (none without steps:
@@ -40,6 +51,7 @@ class Optimization:
     def step(self, step: int) -> torch.Tensor:
         """Optimizer step number ``step`` (1-based): clip, step, schedule, zero the gradients, EMA (every
         ``train.ema_update_every`` steps); return the gradient norm (a device tensor: no host read here)."""
+        self.settle()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
         self.optimizer.step()
         self.lr_scheduler.step()

@@ -47,6 +47,7 @@ class Validator:
             objective=job.objective,
             flow_shift=job.phase.flow_shift,
         )
+        job.optim.settle()  # a background checkpoint may still be copying the live weights
         ema.store(trainable)
         ema.copy_to(trainable)
         unet.eval()

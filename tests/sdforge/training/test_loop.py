@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import pyarrow.parquet as pq
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from sdforge.config import Train
-from sdforge.training import async_checkpoint
+from sdforge.training import async_checkpoint, checkpoint_manager
 from sdforge.training.async_checkpoint import HostBuffers, choose_async
 from sdforge.training.checkpoint_manager import CheckpointManager
 from sdforge.training.checkpoints import checkpoint_dirs
@@ -215,6 +216,39 @@ def test_background_checkpoints_resume_like_blocking_ones(tmp_path, stop_at):
     background = torch.load(tmp_path / "async/checkpoint-00000006/state.pt", weights_only=True)
     assert torch.equal(blocking["ema"]["shadow_params"][0], background["ema"]["shadow_params"][0])
     assert blocking["progress"] == background["progress"] and blocking["recent_losses"] == background["recent_losses"]
+
+
+def test_a_cpu_snapshot_is_copied_behind_the_next_step_and_its_update_waits_for_the_copy(tmp_path, monkeypatch):
+    """On a CPU the writer thread copies the state while the next step computes; the step's optimizer update
+    waits for that copy, so the checkpoint holds the state at the save, as a blocking write's does."""
+    order: list[str] = []
+    gates: list[threading.Event] = []
+
+    def late_fill(pairs):  # the copy starts only once the test lets it (after the next step has begun)
+        gates[-1].wait(10)
+        async_checkpoint.fill(pairs)
+        order.append("copied")
+
+    monkeypatch.setattr(checkpoint_manager, "fill", late_fill)
+    blocking, background = _async_job("off"), _async_job("on")
+    for job, where in ((blocking, "blocking"), (background, "async")):
+        job.optim.optimizer.register_step_pre_hook(lambda *_: order.append("update"))
+        manager = CheckpointManager(job, tmp_path / where, "fp")
+        toy_step(job, toy_reader(job, 0))
+        order.clear()
+        gates.append(threading.Event())
+        written = manager.save()  # blocking: the checkpoint; in the background: None
+        threading.Timer(0.2, gates[-1].set).start()
+        toy_step(job, toy_reader(job, 0))  # its update must wait for the copy
+        assert (written or manager.finish_writes()) == tmp_path / where / "checkpoint-00000001"
+        manager.close()
+    assert order == ["copied", "update"]  # the background run's: copy first, then the step's update
+    assert background.optim.snapshot_read is None
+    saved = [tmp_path / w / "checkpoint-00000001" for w in ("blocking", "async")]
+    assert (saved[0] / "toy/w.safetensors").read_bytes() == (saved[1] / "toy/w.safetensors").read_bytes()
+    a, b = (torch.load(f / "state.pt", weights_only=True) for f in saved)
+    assert torch.equal(a["optimizer"]["state"][0]["exp_avg"], b["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(a["ema"]["shadow_params"][0], b["ema"]["shadow_params"][0])
 
 
 def test_host_buffers_are_reused_and_keep_the_state_layout():
