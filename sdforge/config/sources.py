@@ -187,6 +187,21 @@ class Recaption(Section):
         return generation
 
 
+class InputLimits(Section):
+    """What one document of a source's data files may cost before it is parsed (:mod:`sdforge.bounds`;
+    docs/INPUTS.md). A record over a limit is dropped and counted under the limit's reason; a whole file over
+    one (a COCO annotation file) is an error naming the file and the key."""
+
+    json_max_depth: int = Field(32, ge=1, le=900)
+    """Nesting levels of one JSON document (DiffusionDB/COCO files, JourneyDB lines, side files, WebDataset
+    ``.json`` members); the real formats nest 2–5. At most 900: the parser's own recursion limit is ~1,000."""
+    json_max_bytes: int = Field(2**30, ge=1)
+    """Bytes of one JSON document (COCO's ``instances_train2017.json``, the largest real one, is 448 MB)."""
+    json_max_entries: int = Field(200_000_000, ge=1)
+    """Values in all arrays and objects of one JSON document (COCO train2017's instances file holds tens of
+    millions, mostly polygon coordinates)."""
+
+
 class Source(Section):
     """One data source: where its metadata/archives come from and how to filter/fetch."""
 
@@ -204,5 +219,6 @@ class Source(Section):
     vggface2: FaceOptions = FaceOptions()
     coco: CocoOptions = CocoOptions()
     local: LocalOptions = LocalOptions()
+    inputs: InputLimits = InputLimits()
     recaption: Recaption | None = None
     """A vision-language model rewrites this source's captions (stage ``caption_images``); null: originals only."""

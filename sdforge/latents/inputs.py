@@ -8,7 +8,6 @@ read) raises :class:`TarDamaged`.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -18,6 +17,7 @@ import cv2
 import numpy as np
 import torch
 
+from sdforge.bounds import json_docs
 from sdforge.ingest.buckets import CropPlan, Size, plan
 from sdforge.ingest.ustar import (
     BLOCK,
@@ -239,8 +239,10 @@ def decode_chunk(
 
 
 def _sizes(data: bytes | None) -> tuple[int | None, int | None]:
+    """The original size a sample's ``.json`` records (None where unreadable, over the default JSON limits of
+    :mod:`sdforge.bounds.json_docs`, or absent: the sample is kept, its size unknown)."""
     try:
-        meta = json.loads(data) if data else {}
+        meta = json_docs.loads(data, json_docs.DEFAULT_LIMITS) if data else {}
     except ValueError:
         return None, None
     if not isinstance(meta, dict):

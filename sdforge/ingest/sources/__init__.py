@@ -29,13 +29,13 @@ def filter_source(source: Source, name: str, in_dir: Path, out_file: Path) -> di
     """Write the filtered rows of local source ``name`` to ``out_file``; return the filter metrics."""
     kind, rules = source.kind, source.filter
     if kind == "diffusiondb":
-        return filter_diffusiondb(in_dir, out_file, rules)
+        return filter_diffusiondb(in_dir, out_file, rules, source.inputs)
     if kind == "journeydb":
-        return filter_journeydb(in_dir, out_file, source.journeydb, rules)
+        return filter_journeydb(in_dir, out_file, source.journeydb, rules, source.inputs)
     if kind == "vggface2":
         return filter_vggface2(in_dir, out_file, source.vggface2, rules, source.fetch.max_image_pixels)
     if kind == "coco":
-        return filter_coco(in_dir, out_file, source.coco, rules)
+        return filter_coco(in_dir, out_file, source.coco, rules, source.inputs)
     if kind == "local":
-        return filter_local(in_dir, out_file, source.local, rules, source.fetch.max_image_pixels)
+        return filter_local(in_dir, out_file, source.local, rules, source.fetch.max_image_pixels, source.inputs)
     raise InputError(f"sources.{name}.kind: '{kind}' has no filter adapter (supported: laion, {sorted(LOCAL_KINDS)})")

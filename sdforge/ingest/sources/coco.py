@@ -19,14 +19,14 @@ height, ignored), ``invalid_captions`` (caption annotations without a string cap
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sdforge.config import CocoOptions, FilterRules
+from sdforge.bounds import json_docs
+from sdforge.config import CocoOptions, FilterRules, InputLimits
 from sdforge.ingest.sources.rows import DropCounter, inside, row, safe_member, write_rows
 from sdforge.io import InputError
 
@@ -34,9 +34,11 @@ REASONS = ("bad_record", "duplicate", "unsafe_member", "bad_size", "too_small", 
 _SPLIT = re.compile(r"^instances_(.+)\.json$")
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path, limits: InputLimits) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_bytes())
+        data = json_docs.load_file(path, limits)
+    except json_docs.JsonLimitError as err:
+        raise InputError(f"{path}: COCO annotation file over a limit: {err}") from None
     except (OSError, ValueError) as err:
         raise InputError(f"{path}: unreadable COCO annotation file ({type(err).__name__}: {err})") from None
     if not isinstance(data, dict):
@@ -55,12 +57,12 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def captions_by_image(paths: list[Path]) -> tuple[dict[int, list[tuple[int, str]]], int]:
+def captions_by_image(paths: list[Path], limits: InputLimits) -> tuple[dict[int, list[tuple[int, str]]], int]:
     """``{image_id: [(annotation id, caption), ...] sorted}`` and the count of invalid caption annotations."""
     captions: dict[int, list[tuple[int, str]]] = defaultdict(list)
     invalid = 0
     for path in paths:
-        for ann in _load(path).get("annotations") or []:
+        for ann in _load(path, limits).get("annotations") or []:
             if (
                 isinstance(ann, dict)
                 and _is_id(ann.get("image_id"))
@@ -98,14 +100,21 @@ def person_heights(data: dict[str, Any]) -> tuple[dict[Any, list[float]], int]:
     return heights, invalid
 
 
-def filter_coco(in_dir: Path, out_file: Path, options: CocoOptions, rules: FilterRules) -> dict[str, int]:
-    """One row per image with a person box ≥ ``min_person_height`` of its height and a caption."""
+def filter_coco(
+    in_dir: Path,
+    out_file: Path,
+    options: CocoOptions,
+    rules: FilterRules,
+    limits: InputLimits = json_docs.DEFAULT_LIMITS,
+) -> dict[str, int]:
+    """One row per image with a person box ≥ ``min_person_height`` of its height and a caption. An annotation
+    file over ``limits`` (``sources.<s>.inputs``) is an error naming it and the key."""
     instance_files, caption_files = _annotation_files(in_dir, options)
-    captions, invalid_captions = captions_by_image(caption_files)
+    captions, invalid_captions = captions_by_image(caption_files, limits)
     selector = _ImageSelector(in_dir, options, rules, captions)
     drops, rows, rows_in, invalid_boxes = DropCounter(REASONS), [], 0, 0
     for path in instance_files:
-        data = _load(path)
+        data = _load(path, limits)
         split = _split_of(path)
         heights, invalid = person_heights(data)
         invalid_boxes += invalid

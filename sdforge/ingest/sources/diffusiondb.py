@@ -5,7 +5,9 @@ images and ``part-NNNNNN.json`` = ``{file name: {"p": prompt, "se": seed, "c": c
 "sa": sampler}}``. Row: ``archive`` = the zip (relative path), ``member`` = the file name,
 ``caption`` = ``p``, ``meta`` = ``{seed, cfg, steps, sampler}``.
 
-Drops, in this order (each row counted once): ``unsafe_member`` (absolute or ``..`` name),
+Drops, in this order (each row counted once): ``bad_metadata`` (every image of a part whose JSON mapping is
+not a JSON object, not JSON, or over ``sources.<s>.inputs``: the part is skipped with a warning naming it and
+the rest of the source kept), ``unsafe_member`` (absolute or ``..`` name),
 ``no_caption`` (null/missing/non-string prompt), ``missing`` (not in its zip), ``duplicate``
 (name already kept from an earlier zip, or stored twice in its zip). The image size is unknown
 here: ``filter.min_width``/``min_height`` are applied when re-sharding.
@@ -13,45 +15,72 @@ here: ``filter.min_width``/``min_height`` are applied when re-sharding.
 
 from __future__ import annotations
 
-import json
+import logging
 import zipfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sdforge.config import FilterRules
+from sdforge.bounds import json_docs
+from sdforge.config import FilterRules, InputLimits
 from sdforge.ingest.sources.rows import DropCounter, row, safe_member, write_rows
 from sdforge.io import InputError
 
-REASONS = ("unsafe_member", "no_caption", "missing", "duplicate")
+REASONS = ("bad_metadata", "unsafe_member", "no_caption", "missing", "duplicate")
+log = logging.getLogger(__name__)
+
 META_KEYS = {"se": "seed", "c": "cfg", "st": "steps", "sa": "sampler"}
 
 
-def read_mappings(zip_path: Path) -> tuple[list[tuple[str, Any]], Counter]:
-    """``(file name, entry)`` of every JSON mapping in the zip (sorted), and the zip's name counts."""
+def read_mappings(zip_path: Path, limits: InputLimits) -> tuple[list[tuple[str, Any]], Counter, str | None]:
+    """``(file name, entry)`` of every JSON mapping in the zip (sorted), the zip's name counts, and why its
+    mappings were unusable (a JSON member over ``limits`` or not a JSON object: none are returned) or None."""
     try:
         with zipfile.ZipFile(zip_path) as zf:
             names = Counter(zf.namelist())
             entries = []
-            for json_name in sorted(n for n in names if n.endswith(".json")):
-                mapping = json.loads(zf.read(json_name))
-                if not isinstance(mapping, dict):
-                    raise InputError(f"{zip_path}: {json_name} is not a JSON object (file name → metadata)")
-                entries += sorted(mapping.items())
-    except (zipfile.BadZipFile, OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+            for info in sorted((i for i in zf.infolist() if i.filename.endswith(".json")), key=lambda i: i.filename):
+                problem = _mapping_problem(zf, info, limits, entries)
+                if problem is not None:
+                    log.warning("%s: %s: %s; the part's images are dropped as bad_metadata", zip_path, info.filename,
+                                problem)  # fmt: skip
+                    return [], names, problem
+    except (zipfile.BadZipFile, OSError) as err:
         raise InputError(f"{zip_path}: unreadable DiffusionDB part ({type(err).__name__}: {err})") from None
-    return entries, names
+    return entries, names, None
 
 
-def filter_diffusiondb(in_dir: Path, out_file: Path, rules: FilterRules) -> dict[str, int]:
-    """Rows of every zip's mapping minus unsafe names, null prompts, images missing from the zip and repeats."""
+def _mapping_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: InputLimits, entries: list) -> str | None:
+    """Append the mapping of JSON member ``info`` to ``entries``; or why it cannot be read (nothing appended).
+    Its declared size is checked before it is read: ``zipfile`` stops inflating a member at that size."""
+    if info.file_size > limits.json_max_bytes:
+        return str(json_docs.JsonLimitError(json_docs.TOO_LARGE, f"{info.file_size:,}-byte JSON member", limits))
+    try:
+        mapping = json_docs.loads(zf.read(info), limits)
+    except ValueError as err:  # not JSON, not UTF-8, or over a limit
+        return f"{type(err).__name__}: {err}"
+    if not isinstance(mapping, dict):
+        return "not a JSON object (file name → metadata)"
+    entries += sorted(mapping.items())
+    return None
+
+
+def filter_diffusiondb(
+    in_dir: Path, out_file: Path, rules: FilterRules, limits: InputLimits = json_docs.DEFAULT_LIMITS
+) -> dict[str, int]:
+    """Rows of every zip's mapping minus unsafe names, null prompts, images missing from the zip and repeats;
+    a part whose mapping is unusable costs its images (``bad_metadata``), not the source."""
     zips = sorted(in_dir.rglob("*.zip"))
     if not zips:
         raise InputError(f"no zip archives under {in_dir} (run download_metadata first)")
     drops, rows, kept, rows_in = DropCounter(REASONS), [], set(), 0
     for zip_path in zips:
         archive = zip_path.relative_to(in_dir).as_posix()
-        entries, names = read_mappings(zip_path)
+        entries, names, problem = read_mappings(zip_path, limits)
+        if problem is not None:
+            images = sum(n for name, n in names.items() if not name.endswith(".json") and not name.endswith("/"))
+            rows_in += images
+            drops.drop("bad_metadata", images)
         for name, entry in entries:
             rows_in += 1
             entry = entry if isinstance(entry, dict) else {}

@@ -8,7 +8,8 @@ folder under the source; ``.tar.gz``/``.tar`` too). Row: ``archive`` = that arch
 ``NNN/<hash>.jpg``, ``caption`` = ``prompt`` or ``Task2.Caption`` (``journeydb.caption``),
 ``meta`` = ``{prompt, task2_caption}``.
 
-Drops, in this order: ``bad_record`` (not a JSON object, no string ``img_path``), ``unsafe_member``
+Drops, in this order: ``bad_record`` (not a JSON object, no string ``img_path``), ``json_too_deep`` /
+``json_too_large`` / ``json_too_many_entries`` (a line over ``sources.<s>.inputs``), ``unsafe_member``
 (absolute or ``..`` path), ``missing`` (its archive was not downloaded), ``no_caption`` (the chosen
 text is null/missing/not a string), ``duplicate`` (``img_path`` repeated; first kept). Image sizes
 are unknown here: ``filter.min_width``/``min_height`` are applied when re-sharding.
@@ -16,16 +17,16 @@ are unknown here: ``filter.min_width``/``min_height`` are applied when re-shardi
 
 from __future__ import annotations
 
-import json
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from sdforge.config import FilterRules, JourneyDbOptions
+from sdforge.bounds import json_docs
+from sdforge.config import FilterRules, InputLimits, JourneyDbOptions
 from sdforge.ingest.sources.rows import DropCounter, row, safe_member, write_rows
 from sdforge.io import InputError
 
-REASONS = ("bad_record", "unsafe_member", "missing", "no_caption", "duplicate")
+REASONS = ("bad_record", *json_docs.REASONS, "unsafe_member", "missing", "no_caption", "duplicate")
 ARCHIVE_SUFFIXES = (".tgz", ".tar.gz", ".tar")
 ANNOTATION_SUFFIXES = (".jsonl", ".jsonl.tgz", ".jsonl.tar.gz", ".jsonl.tar")
 
@@ -70,24 +71,35 @@ def annotation_lines(path: Path) -> Iterator[bytes]:
         raise InputError(f"{path}: unreadable annotation archive ({type(err).__name__}: {err})") from None
 
 
-def parse_record(line: bytes) -> dict | None:
+def parse_record(line: bytes, limits: InputLimits = json_docs.DEFAULT_LIMITS) -> tuple[dict | None, str]:
+    """``(record, "")`` for an annotation line with an ``img_path``; else ``(None, reason)``: ``bad_record``,
+    or the limit of ``sources.<s>.inputs`` the line breaks (:data:`sdforge.bounds.json_docs.REASONS`)."""
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("img_path"), str) else None
+        record = json_docs.loads(line, limits)
+    except json_docs.JsonLimitError as err:
+        return None, err.reason
+    except ValueError:  # not JSON, not UTF-8
+        return None, "bad_record"
+    ok = isinstance(record, dict) and isinstance(record.get("img_path"), str)
+    return (record, "") if ok else (None, "bad_record")
 
 
-def filter_journeydb(in_dir: Path, out_file: Path, options: JourneyDbOptions, rules: FilterRules) -> dict[str, int]:
+def filter_journeydb(
+    in_dir: Path,
+    out_file: Path,
+    options: JourneyDbOptions,
+    rules: FilterRules,
+    limits: InputLimits = json_docs.DEFAULT_LIMITS,
+) -> dict[str, int]:
     """One row per annotation line whose image archive is present, with the chosen caption."""
     annotations, archives = find_files(in_dir)
     drops, rows, kept, rows_in = DropCounter(REASONS), [], set(), 0
     for path in annotations:
         for line in annotation_lines(path):
             rows_in += 1
-            record = parse_record(line)
+            record, reason = parse_record(line, limits)
             if record is None:
-                drops.drop("bad_record")
+                drops.drop(reason)
                 continue
             member = safe_member(record["img_path"])
             if member is None:

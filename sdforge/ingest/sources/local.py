@@ -12,23 +12,24 @@ adjusted_score}`` (json) or ``{}`` (txt).
 
 Drops, in this order: those of :data:`sdforge.ingest.sources.loose.REASONS`, then ``no_caption`` (no
 ``.txt`` / ``.json``), ``bad_caption`` (not UTF-8, not JSON, tags not a list of strings, score not
-a number), ``excluded_tag``, ``no_score`` / ``low_score`` (only with ``min_score``).
+a number), ``json_too_deep`` / ``json_too_large`` / ``json_too_many_entries`` (a ``.json`` over
+``sources.<s>.inputs``), ``excluded_tag``, ``no_score`` / ``low_score`` (only with ``min_score``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
 from typing import Any
 
-from sdforge.config import FilterRules, LocalOptions
+from sdforge.bounds import json_docs
+from sdforge.config import FilterRules, InputLimits, LocalOptions
 from sdforge.ingest.sources import loose
 from sdforge.ingest.sources.rows import DropCounter, inside, row, write_rows
 from sdforge.io import InputError
 
-REASONS = (*loose.REASONS, "no_caption", "bad_caption", "excluded_tag", "no_score", "low_score")
+REASONS = (*loose.REASONS, "no_caption", "bad_caption", *json_docs.REASONS, "excluded_tag", "no_score", "low_score")
 
 
 class Dropped(Exception):
@@ -39,22 +40,28 @@ class Dropped(Exception):
         self.reason = reason
 
 
-def read_sidecar(image: Path, suffix: str) -> str:
+def read_sidecar(image: Path, suffix: str, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of ``image``'s side file with ``suffix``, or :class:`Dropped`; over ``max_bytes``: dropped
+    as ``json_too_large`` before it is read."""
     path = image.with_suffix(suffix)
     if not path.is_file():
         raise Dropped("no_caption")
     if path.is_symlink() and not inside(path, image.parent):
         raise Dropped("unsafe_member")
     try:
+        if max_bytes is not None and path.stat().st_size > max_bytes:
+            raise Dropped(json_docs.TOO_LARGE)
         return path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
         raise Dropped("bad_caption") from None
 
 
-def parse_tags(text: str) -> tuple[list[str], float | None]:
+def parse_tags(text: str, limits: InputLimits = json_docs.DEFAULT_LIMITS) -> tuple[list[str], float | None]:
     """``(tags, score)`` of a tag JSON; the score is None when null, absent or NaN."""
     try:
-        data = json.loads(text)
+        data = json_docs.loads(text, limits)
+    except json_docs.JsonLimitError as err:
+        raise Dropped(err.reason) from None
     except ValueError:
         raise Dropped("bad_caption") from None
     tags = data.get("tags") if isinstance(data, dict) else None
@@ -89,17 +96,24 @@ def process_tags(
     return kept, adjusted
 
 
-def caption_of(member: str, path: Path, options: LocalOptions) -> tuple[str, dict[str, Any]]:
+def caption_of(
+    member: str, path: Path, options: LocalOptions, limits: InputLimits = json_docs.DEFAULT_LIMITS
+) -> tuple[str, dict[str, Any]]:
     """``(caption, meta)`` for one image, or :class:`Dropped`."""
     if options.mode == "txt":
         return read_sidecar(path, ".txt").strip(), {}
-    tags, score = parse_tags(read_sidecar(path, ".json"))
+    tags, score = parse_tags(read_sidecar(path, ".json", limits.json_max_bytes), limits)
     kept, adjusted = process_tags(member, tags, score, options)
     return ", ".join(kept), {"tags": kept, "score": score, "adjusted_score": adjusted}
 
 
 def filter_local(
-    in_dir: Path, out_file: Path, options: LocalOptions, rules: FilterRules, max_pixels: int | None = None
+    in_dir: Path,
+    out_file: Path,
+    options: LocalOptions,
+    rules: FilterRules,
+    max_pixels: int | None = None,
+    limits: InputLimits = json_docs.DEFAULT_LIMITS,
 ) -> dict[str, int]:
     """One row per image with a usable caption file."""
     files = loose.scan(in_dir)
@@ -108,7 +122,7 @@ def filter_local(
     drops, rows = DropCounter(REASONS), []
     for member, path, _ in loose.images(in_dir, rules, drops, files, max_pixels):
         try:
-            caption, meta = caption_of(member, path, options)
+            caption, meta = caption_of(member, path, options, limits)
         except Dropped as dropped:
             drops.drop(dropped.reason)
             continue

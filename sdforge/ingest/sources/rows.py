@@ -70,10 +70,10 @@ class DropCounter:
     def __init__(self, reasons: Iterable[str]):
         self.counts = dict.fromkeys(reasons, 0)
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, n: int = 1) -> None:
         if reason not in self.counts:
             raise KeyError(f"undeclared drop reason {reason!r} (declared: {list(self.counts)})")
-        self.counts[reason] += 1
+        self.counts[reason] += n
 
     def metrics(self, files: int, rows_in: int, rows_out: int, **extra: int) -> dict[str, int]:
         """``files, rows_in, dropped_<reason>..., rows_out`` (+ ``extra``); checks that the counts add up."""

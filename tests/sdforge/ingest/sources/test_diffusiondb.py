@@ -23,6 +23,7 @@ def test_demo_diffusiondb_keeps_every_image(demo_params, run_until):
     n = demo_params.demo.archive_images
     assert (metrics["files"], metrics["rows_in"], metrics["rows_out"]) == (1, n, n)
     assert {k: v for k, v in metrics.items() if k.startswith("dropped_")} == {
+        "dropped_bad_metadata": 0,
         "dropped_unsafe_member": 0,
         "dropped_no_caption": 0,
         "dropped_missing": 0,
@@ -71,6 +72,7 @@ def test_diffusiondb_drop_reasons_each_counted_once(tmp_path):
     assert metrics == {
         "files": 2,
         "rows_in": 9,
+        "dropped_bad_metadata": 0,
         "dropped_unsafe_member": 2,
         "dropped_no_caption": 1,
         "dropped_missing": 1,

@@ -60,6 +60,9 @@ def test_journeydb_end_to_end_prompt_captions(tmp_path):
         "files": 3,  # the annotation archive, 000.tgz, 001.tgz
         "rows_in": 10,
         "dropped_bad_record": 1,
+        "dropped_json_too_deep": 0,
+        "dropped_json_too_large": 0,
+        "dropped_json_too_many_entries": 0,
         "dropped_unsafe_member": 1,
         "dropped_missing": 1,
         "dropped_no_caption": 1,

@@ -1,0 +1,8 @@
+"""Bounds on what a data file may cost a stage, applied before the bytes reach a parser or native code.
+
+Every place data enters a stage, or a stage re-reads another stage's output, goes through one of these (the list,
+with each entry point's bound: docs/INPUTS.md):
+
+- :mod:`~sdforge.bounds.json_docs`: JSON documents from data files (nesting depth, size, entry count;
+  ``sources.<s>.inputs``).
+"""
