@@ -110,16 +110,22 @@ def run(
     else:
         metrics = shards.summarize_stats(out_dir)
     if metrics["samples"] and metrics["success_rate"] < fetch.min_success_rate:
-        log.warning(
-            "!!! %s: only %.1f%% of %d images fetched (fetch.min_success_rate %.0f%%). "
-            "DNS or network access is the likely cause; see the *.parquet error_message column in %s",
-            name,
-            100 * metrics["success_rate"],
-            metrics["samples"],
-            100 * fetch.min_success_rate,
-            out_dir,
-        )
+        log.warning("!!! %s", low_success_message(name, source.kind, metrics, fetch.min_success_rate, out_dir))
     return metrics
+
+
+def low_success_message(name: str, kind: str, metrics: dict, min_rate: float, out_dir: Path) -> str:
+    """The warning for a fetch under ``fetch.min_success_rate``, with the likely cause for the source's kind."""
+    cause = (
+        "DNS or network access is the likely cause"
+        if kind == "laion"  # the only kind fetched over the network
+        else "the archives or files in the metadata folder are the likely cause (no network is involved)"
+    )
+    return (
+        f"{name}: only {100 * metrics['success_rate']:.1f}% of {metrics['samples']} images fetched "
+        f"(fetch.min_success_rate {100 * min_rate:.0f}%). {cause}; see the *.parquet error_message column and "
+        f"status_dict in {out_dir}"
+    )
 
 
 def run_stage(params: Params, item: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from sdforge.bounds.paths import resolves_inside, resolves_to_file
 from sdforge.config import Source
 from sdforge.io import InputError
 
@@ -24,8 +25,8 @@ def is_local(repo: str) -> bool:
 
 
 def _inside(path: Path, root: Path) -> bool:
-    """``path`` (resolved) is ``root`` (resolved) or below it."""
-    return path.resolve().is_relative_to(root.resolve())
+    """``path`` (resolved) is ``root`` (resolved) or below it; False for a symlink loop."""
+    return resolves_inside(path, root)
 
 
 def matching_files(root: Path, patterns: list[str], links_within: Path | None = None) -> tuple[list[Path], list[Path]]:
@@ -48,7 +49,7 @@ def matching_files(root: Path, patterns: list[str], links_within: Path | None = 
             path = Path(folder) / name
             if not any(fnmatch.fnmatch(path.relative_to(root).as_posix(), p) for p in patterns):
                 continue
-            if path.is_symlink() and not (_inside(path, links_within) and path.is_file()):
+            if path.is_symlink() and not (_inside(path, links_within) and resolves_to_file(path)):
                 refused.append(path)
             elif path.is_file():
                 found.append(path)

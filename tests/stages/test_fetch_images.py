@@ -405,3 +405,12 @@ def test_rerun_refetches_when_the_served_images_change_under_the_same_urls(demo_
     image.write_bytes(cv2.imencode(".jpg", 255 - pixels)[1].tobytes())
     second = fetch()
     assert len(second) == len(first) and len(second - first) == 1
+
+
+def test_the_low_success_warning_blames_the_network_only_for_url_sources(tmp_path):
+    metrics = {"success_rate": 0.25, "samples": 8}
+    laion = fetch_images.low_success_message("laion", "laion", metrics, 0.5, tmp_path)
+    assert "only 25.0% of 8 images fetched (fetch.min_success_rate 50%). DNS or network access" in laion
+    for kind in ("diffusiondb", "journeydb", "local", "coco", "vggface2"):
+        message = fetch_images.low_success_message("src", kind, metrics, 0.5, tmp_path)
+        assert "DNS" not in message and "no network is involved" in message and str(tmp_path) in message

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from sdforge.bounds.paths import resolves_to_file
 from sdforge.config import FilterRules
 from sdforge.ingest.sources.images import ImageRejected, header_size
 from sdforge.ingest.sources.rows import IMAGE_EXTENSIONS, DropCounter, inside, stem_key
@@ -48,7 +49,7 @@ def images(
     seen: set[str] = set()
     read_headers = rules.min_width is not None or rules.min_height is not None
     for member, path in files:
-        if path.is_symlink() and not (inside(path, root) and path.resolve().is_file()):
+        if path.is_symlink() and not (inside(path, root) and resolves_to_file(path)):
             drops.drop("unsafe_member")
             continue
         if stem_key(member) in seen:

@@ -21,6 +21,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.bounds.paths import resolves_inside
+
 ROW_COLUMNS = ("archive", "member", "caption", "meta")
 ROW_SCHEMA = pa.schema([(name, pa.string()) for name in ROW_COLUMNS])
 RESHARD_CHECKS_KEY = b"sdforge.reshard_checks"
@@ -111,12 +113,8 @@ def reshard_checks(filtered: Path) -> dict[str, int | None]:
 
 
 def inside(path: Path, root: Path) -> bool:
-    """``path`` resolves (symlinks followed) to a location under ``root``."""
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
+    """``path`` resolves (symlinks followed) to a location under ``root``; False for a symlink loop."""
+    return resolves_inside(path, root)
 
 
 def stem_key(rel: str) -> str:
