@@ -24,7 +24,7 @@ import yaml
 from sdforge.cluster.checks import ClusterConfigError, check_cluster
 from sdforge.cluster.manifests import training_job
 from sdforge.cluster.work_pool import pool_template, render_flow_job
-from sdforge.config import ConfigError, parse_params
+from sdforge.config import ConfigError, parse_params, read_yaml_bounded
 from sdforge.io import setup_logging
 
 log = logging.getLogger("sdforge.cluster")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     try:
-        data = yaml.safe_load(Path(args.params).read_text())
+        data = read_yaml_bounded(Path(args.params))
         check_cluster(parse_params(data))
     except (ClusterConfigError, ConfigError, OSError) as err:
         log.error("%s: %s", args.params, err)

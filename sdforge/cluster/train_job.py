@@ -12,12 +12,10 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
 from sdforge.cluster.checks import check_cluster
 from sdforge.cluster.job_runner import ClusterApi, JobFailed, KubernetesApi, run_training_job
 from sdforge.cluster.manifests import training_job
-from sdforge.config import ConfigError, Params, parse_params
+from sdforge.config import ConfigError, Params, parse_params, read_yaml_bounded
 from sdforge.io import setup_logging
 from sdforge.training.launch import TRAIN_JOB_ENV
 
@@ -31,7 +29,7 @@ def submits_job(params: Params, env: Mapping[str, str]) -> bool:
 
 def run_on_cluster(params_file: Path, phase: str, api: ClusterApi | None = None) -> None:
     """Check, render and run ``phase``'s training job; :class:`~sdforge.cluster.job_runner.JobFailed` if it fails."""
-    data = yaml.safe_load(Path(params_file).read_text())
+    data = read_yaml_bounded(Path(params_file))
     check_cluster(parse_params(data))
     run_training_job(training_job(data, phase), api or KubernetesApi())
 

@@ -52,7 +52,7 @@ from sdforge.config.demo import DemoConcept, DemoData, DemoWebdump
 from sdforge.config.eval import GUIDANCE_WARN_ABOVE, CategorySampling, Eval, Fid
 from sdforge.config.latents import BucketSet, Encode
 from sdforge.config.models import CaptionerBuild, Models, NoiseSchedule, TextEncoderBuild, UNetSpec, VaeBuild
-from sdforge.config.params import Params, load_params, parse_params
+from sdforge.config.params import Params, load_params, parse_params, read_yaml_bounded
 from sdforge.config.paths import Paths, Storage, Tracking
 from sdforge.config.phases import ADAPTER_TARGETS, Adapter, AdapterTarget, CaptionMix, Phase
 from sdforge.config.sources import (
@@ -148,6 +148,7 @@ __all__ = [
     "keys_by_effect",
     "load_params",
     "parse_params",
+    "read_yaml_bounded",
     "redact_credentials",
     "url_has_credentials",
 ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -146,11 +147,64 @@ def parse_params(data: dict, origin: str = "params") -> Params:
         raise ConfigError(_format_error(err, origin)) from None
 
 
+MAX_PARAMS_BYTES = 1 << 20
+"""A params file's size limit (the full configuration is ~20 KB); ``SDFORGE_MAX_PARAMS_BYTES`` raises it."""
+MAX_PARAMS_NODES = 1_000_000
+"""Values in a params file with every YAML alias expanded: what validating it walks (an alias bomb of a few
+hundred bytes expands to billions)."""
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Load and validate ``params.yaml``; raise :class:`ConfigError` naming every bad key."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found (run from the repo root or pass --params)")
-    with path.open() as fh:
-        data = yaml.safe_load(fh) or {}
-    return parse_params(data, origin=str(path))
+    return parse_params(read_yaml_bounded(path), origin=str(path))
+
+
+def read_yaml_bounded(path: Path) -> dict:
+    """The YAML mapping in ``path`` (``{}`` when empty), read within :data:`MAX_PARAMS_BYTES` and
+    :data:`MAX_PARAMS_NODES`; :class:`ConfigError` naming the file and the bound otherwise."""
+    limit = int(os.environ.get("SDFORGE_MAX_PARAMS_BYTES", MAX_PARAMS_BYTES))
+    size = path.stat().st_size
+    if size > limit:
+        raise ConfigError(f"{path}: {size:,} bytes, more than a params file may hold ({limit:,}; "
+                          "SDFORGE_MAX_PARAMS_BYTES raises it)")  # fmt: skip
+    loader = yaml.SafeLoader(path.read_bytes())
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        nodes = _expanded_nodes(node, {})
+        if nodes > MAX_PARAMS_NODES:
+            raise ConfigError(f"{path}: {nodes:,} values once its YAML aliases are expanded, more than "
+                              f"{MAX_PARAMS_NODES:,}: an alias bomb, or aliases nested too deep")  # fmt: skip
+        data = loader.construct_document(node)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {first_line(str(err))}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deep to read") from None
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (paths:, sources:, ...), got {type(data).__name__}")
+    return data
+
+
+def _expanded_nodes(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many nodes ``node`` stands for with aliases expanded (memoised per node: linear in the file)."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    if isinstance(node, yaml.MappingNode):
+        total = 1 + sum(_expanded_nodes(k, sizes) + _expanded_nodes(v, sizes) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        total = 1 + sum(_expanded_nodes(v, sizes) for v in node.value)
+    else:
+        total = 1
+    sizes[id(node)] = total
+    return total
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import field_validator
+
 from sdforge.config.base import S3Url, SafeName, Section, Url
 
 
@@ -20,6 +22,13 @@ class Paths(Section):
     runs: str
     eval: str
     metrics: str
+
+    @field_validator("*")
+    @classmethod
+    def _usable_as_a_path(cls, value: str) -> str:
+        if not value or "\x00" in value:
+            raise ValueError(f"not usable as a folder path (empty, or holds a NUL byte): {value!r}")
+        return value
 
 
 class Tracking(Section):
