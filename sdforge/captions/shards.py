@@ -123,7 +123,7 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
         data = _image_bytes(samples[key])
         sha = hashlib.sha256(data or b"").hexdigest()
         original = samples[key].get("txt", b"").decode("utf-8", errors="replace")
-        keyed.append((key, sha))
+        keyed.append((key, sha, original))  # the caption belongs to the sample, the generation to the image
         originals.setdefault(sha, original)
         image = _decode(data) if data else None
         if image is None:
@@ -131,7 +131,7 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
         else:
             images[sha] = image
     done = {sha: row["settings"] for sha, row in earlier.items()}
-    plan = plan_captions([sha for _, sha in keyed if sha in images], done, run.fingerprint)
+    plan = plan_captions([sha for _, sha, _ in keyed if sha in images], done, run.fingerprint)
     new = _caption_new({sha: images[sha] for sha in plan.todo}, originals, run)
     stats.images += len(keyed)
     stats.captioned, stats.cached, stats.stale = (
@@ -140,8 +140,8 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
         stats.stale + plan.stale,
     )
     rows = []
-    for key, sha in keyed:
-        rows.append(_row(key, sha, originals[sha], new.get(sha), earlier.get(sha), sha in images, run, stats))
+    for key, sha, original in keyed:
+        rows.append(_row(key, sha, original, new.get(sha), earlier.get(sha), sha in images, run, stats))
     table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata({INPUT_SHA256: tar_sha.encode()})
     with atomic_file(out) as fh:
         pq.write_table(table, fh)
@@ -154,8 +154,9 @@ def sha256_file(path: Path) -> str:
 
 
 def _row(key, sha, original, caption, earlier_row, readable, run: Captioning, stats: CaptionStats) -> dict:
-    if caption is not None:
-        text, generated, rejected, tokens = caption.text, caption.generated, caption.rejected, caption.tokens
+    if caption is not None:  # shared by every sample of the same image bytes: a rejection keeps each one's own
+        generated, rejected, tokens = caption.generated, caption.rejected, caption.tokens
+        text = original if rejected else caption.text
         if rejected:
             stats.rejected[rejected] += 1
     elif readable and earlier_row is not None:

@@ -12,7 +12,7 @@ import pytest
 from sdforge.captions.cache import settings_fingerprint
 from sdforge.captions.captioner import generate, load_captioner
 from sdforge.captions.shards import UNREADABLE, Captioning, caption_shards
-from tests.fixtures.captioner import COLOURS, build_tiny_blip, write_shard
+from tests.fixtures.captioner import COLOURS, build_tiny_blip, jpeg, tar_bytes, write_shard
 
 
 class Scripted:
@@ -113,3 +113,21 @@ def test_a_refetched_shard_is_captioned_again_and_a_gone_one_removed(tmp_path):
     assert (stats.shards_done, stats.shards_removed, stats.cached, again.asked) == (1, 1, 3, 1)
     assert pq.read_table(out / "00000.parquet").num_rows == 4
     assert sorted(p.name for p in out.glob("*.parquet")) == ["00000.parquet"]
+
+
+@pytest.mark.parametrize("degenerate", [False, True])
+def test_samples_with_the_same_image_bytes_keep_their_own_original_captions(tmp_path, degenerate):
+    """Issue 39, case 8: the content cache shares the generation (it belongs to the image), never the caption
+    (it belongs to the sample) — also when the generation is rejected and the original is used instead."""
+    shards, out = tmp_path / "shards", tmp_path / "captions"
+    same = jpeg(COLOURS["red"], 7)
+    samples = [{"__key__": f"0000000{i}", "jpg": same, "txt": text} for i, text in enumerate(["first", "second"])]
+    shards.mkdir()
+    (shards / "00000.tar").write_bytes(tar_bytes(samples))
+    model = Scripted(degenerate=degenerate)
+    caption_shards(shards, out, run_with(model))
+    rows = pq.read_table(out / "00000.parquet").to_pylist()
+    assert model.asked == 1  # one image, captioned once
+    assert [r["original_caption"] for r in rows] == ["first", "second"]
+    expected = ["first", "second"] if degenerate else ["a red square on a plain background"] * 2
+    assert [r["synthetic_caption"] for r in rows] == expected
