@@ -70,6 +70,7 @@ COUNT_KEYS = (
     "skipped_no_image",
     "skipped_corrupt",
     "skipped_wrong_size",
+    "skipped_too_large",
     "skipped_duplicate_key",
     "tar_errors",
     "resized",
@@ -242,9 +243,12 @@ def _manifest_columns(rows: list[dict], source: str, enc: EncodedShard) -> dict[
 def encode_and_write(
     cfg: Encode, source: str, todo: list[TarInput], models_dir: Path, out_dir: Path, device: str, precision: str,
     encoder: str, stats: Counter, buckets: list[Size], captions: dict[int, dict[str, str] | None] | None = None,
+    max_pixels: int | None = None,
 ) -> dict:
     """Run the pipeline over ``todo``, writing each shard as it completes; return its parts. ``captions``: per
-    shard number, its synthetic captions by key (or None)."""
+    shard number, its synthetic captions by key (or None); ``max_pixels``: the source's
+    ``fetch.max_image_pixels`` (not in the encoder fingerprint: the shards' bytes change whenever the fetch
+    settings do, and the fetch stage never writes a bigger image)."""
     captions = captions or {}
     vae = AutoencoderKL.from_pretrained(models_dir / "vae")
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
@@ -258,6 +262,7 @@ def encode_and_write(
         bf16=precision == "bf16",
         channels_last=cfg.channels_last,
         compile=cfg.compile,
+        max_pixels=max_pixels,
     )
     parts, sf = {}, scaling_factor(vae)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from sdforge.bounds import json_docs
+from sdforge.bounds.images import ImageRejected, check_header
 from sdforge.ingest.buckets import CropPlan, Size, plan
 from sdforge.ingest.ustar import (
     BLOCK,
@@ -194,9 +195,18 @@ def cover_crop(img: np.ndarray, crop_plan: CropPlan) -> np.ndarray:
     return img[top:bottom, left:right]
 
 
-def decode_sample(key: str, files: dict[str, bytes], buckets: Sequence[Size], wrong_size: str = "resize") -> Decoded:
+def decode_sample(
+    key: str,
+    files: dict[str, bytes],
+    buckets: Sequence[Size],
+    wrong_size: str = "resize",
+    max_pixels: int | None = None,
+) -> Decoded:
     """Decode one WebDataset sample to RGB at its nearest bucket (:func:`sdforge.ingest.buckets.plan`);
-    bad samples come back with a ``problem``."""
+    bad samples come back with a ``problem``. ``max_pixels`` (``fetch.max_image_pixels``): an image whose
+    header declares more pixels, or whose resize to cover its bucket would make more (a very thin one), is
+    ``too_large`` — checked before the pixels are decoded or resized (the fetch stage never writes one; a shard
+    from elsewhere may)."""
     caption = files.get("txt", b"").decode("utf-8", errors="replace")
     meta = _sizes(files.get("json"))
     out = Decoded(key, caption, None, original_width=meta[0], original_height=meta[1])
@@ -204,6 +214,12 @@ def decode_sample(key: str, files: dict[str, bytes], buckets: Sequence[Size], wr
     if data is None:
         out.problem = "no_image"
         return out
+    if max_pixels is not None:
+        try:
+            check_header(data, max_pixels)
+        except ImageRejected:
+            out.problem = "too_large"
+            return out
     try:
         img = cv2.imdecode(np.frombuffer(data, np.uint8), _IMREAD_RGB)
     except cv2.error:
@@ -214,6 +230,9 @@ def decode_sample(key: str, files: dict[str, bytes], buckets: Sequence[Size], wr
     out.height, out.width = img.shape[:2]
     crop_plan = plan(out.width, out.height, list(buckets))
     out.bucket, out.resized_to, out.crop = crop_plan.bucket, crop_plan.resized, crop_plan.box
+    if max_pixels is not None and crop_plan.resized[0] * crop_plan.resized[1] > max_pixels:
+        out.problem = "too_large"
+        return out
     if (out.width, out.height) != crop_plan.bucket:
         if wrong_size == "skip":
             out.problem = "wrong_size"
@@ -228,10 +247,11 @@ def decode_chunk(
     buckets: Sequence[Size],
     wrong_size: str,
     synthetic: dict[str, str] | None = None,
+    max_pixels: int | None = None,
 ) -> list[Decoded]:
     """:func:`decode_sample` over several samples (one pool job: less per-sample overhead); each gets its
     synthetic caption from ``synthetic`` (by key) when there is one."""
-    out = [decode_sample(key, files, buckets, wrong_size) for key, files in chunk]
+    out = [decode_sample(key, files, buckets, wrong_size, max_pixels) for key, files in chunk]
     if synthetic:
         for sample in out:
             sample.synthetic = synthetic.get(sample.key)

@@ -66,6 +66,8 @@ class Options:
     bf16: bool = False
     channels_last: bool = False
     compile: bool = False
+    max_pixels: int | None = None
+    """``fetch.max_image_pixels`` of the source: a bigger image (header, or its bucket resize) is skipped."""
 
 
 @dataclass
@@ -265,7 +267,8 @@ class _BatchFeeder:
 
     def _submit(self, chunk: list, synthetic: dict[str, str] | None) -> bool:
         """Queue a decode job for ``chunk`` (``synthetic``: the tar's synthetic captions); False once stopped."""
-        job = self.pool.submit(decode_chunk, chunk, self.opts.buckets, self.opts.wrong_size, synthetic)
+        opts = self.opts
+        job = self.pool.submit(decode_chunk, chunk, opts.buckets, opts.wrong_size, synthetic, opts.max_pixels)
         return _put(self.decoded, job, self.stop)
 
     def _batch(self) -> None:

@@ -8,51 +8,24 @@ decoded (decompression bombs), and against the minimum size. Then: EXIF orientat
 
 from __future__ import annotations
 
-import contextlib
 import io
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps
 
-SAFE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-"""PIL plugins tried (a multi-picture JPEG opens as MPO through the JPEG one)."""
+from sdforge.bounds.images import (  # noqa: F401  re-exported: the image readers' bounds live in sdforge.bounds
+    SAFE_FORMATS,
+    ImageRejected,
+    check_header,
+    check_size,
+)
+from sdforge.bounds.images import open_header as _open
+from sdforge.bounds.images import own_pixel_limit as _own_pixel_limit
+
 _SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _TRANSPOSED = (5, 6, 7, 8)
 """EXIF orientations that swap width and height."""
-
-
-class ImageRejected(Exception):
-    """An image that is not turned into a sample: ``status`` for the shard parquet, ``message`` why."""
-
-    def __init__(self, status: str, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@contextlib.contextmanager
-def _own_pixel_limit() -> Iterator[None]:
-    """PIL's own bomb check off (it warns, or raises at 2× its default): callers check the size themselves."""
-    saved = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            yield
-    finally:
-        Image.MAX_IMAGE_PIXELS = saved
-
-
-def _open(fp: BinaryIO | Path) -> Image.Image:
-    """Open (header only) or raise :class:`ImageRejected` (``failed_to_resize``)."""
-    try:
-        return Image.open(fp, formats=SAFE_FORMATS)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError) as err:
-        raise ImageRejected("failed_to_resize", f"not a readable image ({type(err).__name__}: {err})") from None
 
 
 def upright_size(img: Image.Image) -> tuple[int, int]:
@@ -77,15 +50,6 @@ def header_size(path: Path, max_pixels: int | None = None) -> tuple[int, int]:
         if max_pixels is not None:
             check_size(img.size, max_pixels, None, None)
         return upright_size(img)
-
-
-def check_size(size: tuple[int, int], max_pixels: int, min_width: int | None, min_height: int | None) -> None:
-    """Raise ``too_large`` / ``too_small`` for a header size outside the limits."""
-    w, h = size
-    if w * h > max_pixels:
-        raise ImageRejected("too_large", f"{w}x{h} = {w * h} pixels > fetch.max_image_pixels {max_pixels}")
-    if (min_width is not None and w < min_width) or (min_height is not None and h < min_height):
-        raise ImageRejected("too_small", f"{w}x{h} is below the minimum {min_width}x{min_height}")
 
 
 def to_rgb(img: Image.Image) -> np.ndarray:

@@ -1,0 +1,51 @@
+"""Image bounds on a re-read (issue 39, case 6): ``encode_latents`` applies ``fetch.max_image_pixels`` to the
+shards it decodes — a header declaring a bomb is skipped before any pixel is decoded, a very thin image before
+its bucket resize — and counts both as ``too_large``; the samples beside them are kept."""
+
+from __future__ import annotations
+
+import io
+import resource
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sdforge.bounds.images import ImageRejected, check_header
+from sdforge.latents.inputs import decode_chunk, decode_sample
+from tests.fixtures.sources import RED, image_bytes, png_header
+
+MAX_PIXELS = 89_478_485  # fetch.max_image_pixels' default
+BOMB = png_header(30_000, 30_000, idat=zlib.compress(b"\0" * 30_001 * 64))
+"""A PNG whose header declares 30000×30000 (900 M pixels; ~2.7 GB decoded) in a few hundred bytes."""
+
+
+def _thin_png(width: int = 999_000) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((1, width), 200, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_check_header_reads_the_declared_size_only():
+    with pytest.raises(ImageRejected, match=r"30000x30000 = 900000000 pixels > fetch.max_image_pixels 89478485"):
+        check_header(BOMB, MAX_PIXELS)
+    check_header(image_bytes(40, 40, RED, "PNG"), MAX_PIXELS)  # passes
+    check_header(b"not an image", MAX_PIXELS)  # unreadable headers are the decoder's to report
+
+
+def test_encode_skips_a_bomb_and_a_thin_image_as_too_large_and_keeps_the_rest():
+    good = {"png": image_bytes(40, 40, RED, "PNG"), "txt": b"a red square"}
+    chunk = [("000000000", {"png": BOMB, "txt": b"bomb"}), ("000000001", good),
+             ("000000002", {"png": _thin_png(), "txt": b"thin"})]  # fmt: skip
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = decode_chunk(chunk, [(32, 32)], "resize", None, MAX_PIXELS)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    assert [s.problem for s in out] == ["too_large", None, "too_large"]
+    assert out[1].image is not None and out[1].image.shape == (32, 32, 3) and out[1].caption == "a red square"
+    assert grown_mib < 200, f"decoding grew the process by {grown_mib:.0f} MiB"
+
+
+def test_without_a_limit_a_thin_image_is_still_decoded_as_before():
+    sample = decode_sample("k", {"png": _thin_png(2_000), "txt": b"t"}, [(32, 32)])
+    assert sample.problem is None and sample.image.shape == (32, 32, 3)
