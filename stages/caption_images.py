@@ -43,8 +43,9 @@ def token_counter(models_dir: Path):
     return lambda text: len(tokenizer(text, truncation=False).input_ids)
 
 
-def captioning(rec: Recaption, models_dir: Path) -> Captioning:
-    """The run's settings, fingerprint and (lazily loaded) captioner."""
+def captioning(rec: Recaption, models_dir: Path, max_pixels: int | None = None) -> Captioning:
+    """The run's settings, fingerprint and (lazily loaded) captioner; ``max_pixels``: the source's
+    ``fetch.max_image_pixels`` (a bigger image is not decoded)."""
     model, revision = resolve_model(rec.model, rec.revision, models_dir)
     shorten_revision = resolve_model(rec.shorten.model, rec.shorten.revision, models_dir)[1] if rec.shorten else None
     return Captioning(
@@ -56,10 +57,14 @@ def captioning(rec: Recaption, models_dir: Path) -> Captioning:
         count_tokens=token_counter(models_dir),
         batch_size=rec.batch_size,
         max_tokens=rec.max_tokens,
+        max_pixels=max_pixels,
     )
 
 
-def run(rec: Recaption | None, shards_dir: Path | str, models_dir: Path, out_dir: Path, on_progress=None) -> dict:
+def run(
+    rec: Recaption | None, shards_dir: Path | str, models_dir: Path, out_dir: Path, on_progress=None,
+    max_pixels: int | None = None,
+) -> dict:
     """Caption ``shards_dir``'s tars into ``out_dir`` (or, without ``rec``, leave it without captions); metrics."""
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +77,7 @@ def run(rec: Recaption | None, shards_dir: Path | str, models_dir: Path, out_dir
     tars = sorted(Path(shards_dir).glob("*.tar"))
     if not tars:
         raise InputError(f"{shards_dir}: no .tar shards found (did fetch_images run?)")
-    run_ = captioning(rec, models_dir)
+    run_ = captioning(rec, models_dir, max_pixels)
     stats = caption_shards(Path(shards_dir), out_dir, run_, on_progress)
     if stats.stale:
         log.warning("%d image(s) had captions made with other settings: recaptioned", stats.stale)
@@ -119,7 +124,8 @@ def run_stage(params: Params, item: str) -> dict:
             mlflow.log_metrics({f"progress.{k}": float(v) for k, v in figures.items()}, step=figures["captioned"])
 
         shards = f"{paths.shards.rstrip('/')}/{item}" if paths.shards.startswith("s3://") else Path(paths.shards) / item
-        metrics = run(rec, shards, Path(paths.models), out_dir, EtaLog(item, progress))
+        max_pixels = params.sources[item].fetch.max_image_pixels
+        metrics = run(rec, shards, Path(paths.models), out_dir, EtaLog(item, progress), max_pixels)
         metrics = {k: v for k, v in metrics.items() if v is not None}
         _log_outputs(mlflow, item, metrics, out_dir, Path(shards))
     return metrics

@@ -4,8 +4,8 @@
 images without a caption under the current settings (:mod:`sdforge.captions.cache`) — taken from the earlier
 outputs in the same folder — and writes ``<shard>.parquet`` atomically once the shard is done. A killed run
 resumes at the first shard without its parquet; a run with other settings recaptions all and counts them as stale.
-An unreadable image or a rejected generation keeps the original caption and is counted by reason; one bad image
-never fails its shard.
+An unreadable image, one over ``fetch.max_image_pixels`` (its header is read before any pixel is decoded) or a
+rejected generation keeps the original caption and is counted by reason; one bad image never fails its shard.
 
 Columns: key, image_sha256, original_caption, synthetic_caption (the caption to use: the original where rejected),
 generated (the model's text), rejected (reason or null), model, revision, prompt_sha256, settings (fingerprint),
@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.bounds.images import ImageRejected, check_header
 from sdforge.captions.cache import plan_captions
 from sdforge.captions.captioner import Caption, judge_captions
 from sdforge.captions.store import INPUT_SHA256, SCHEMA
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 UNREADABLE = "unreadable_image"
+TOO_LARGE = "too_large"
+"""An image whose header declares more than ``fetch.max_image_pixels``, or a side over :data:`MAX_SIDE`."""
+MAX_SIDE = 65_500
+"""The longest side the fetch stage writes (docs/FETCH.md); a longer one is not captioned."""
 Generate = Callable[[Sequence[np.ndarray]], list[str]]
 """Images (RGB, HWC uint8) → the model's text for each: a bound :func:`sdforge.captions.captioner.generate`."""
 
@@ -75,15 +80,28 @@ class Captioning:
     count_tokens: Callable[[str], int]
     batch_size: int = 16
     max_tokens: int = 77
+    max_pixels: int | None = None
+    """The source's ``fetch.max_image_pixels``: a bigger image is not decoded (:data:`TOO_LARGE`)."""
 
     @property
     def prompt_sha256(self) -> str:
         return hashlib.sha256(self.prompt.encode()).hexdigest()
 
 
-def _decode(data: bytes) -> np.ndarray | None:
+def _decode(data: bytes, max_pixels: int | None) -> tuple[np.ndarray | None, str | None]:
+    """``(RGB image, None)``, or ``(None, reason)``: :data:`TOO_LARGE` for a header over ``max_pixels`` (checked
+    before any pixel is decoded) or a side over :data:`MAX_SIDE` (fetch writes neither), else :data:`UNREADABLE`."""
+    if max_pixels is not None:
+        try:
+            check_header(data, max_pixels)
+        except ImageRejected:
+            return None, TOO_LARGE
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
-    return None if image is None else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    if image is None or image.size == 0:
+        return None, UNREADABLE
+    if max(image.shape[:2]) > MAX_SIDE:
+        return None, TOO_LARGE
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), None
 
 
 def _earlier_captions(out_dir: Path) -> dict[str, dict]:
@@ -118,16 +136,17 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
     """Caption one shard into ``out`` (a parquet), reusing ``earlier`` captions made with the same settings."""
     tar_sha = sha256_file(tar)
     samples = read_tar(tar)
-    keyed, originals, images = [], {}, {}
+    keyed, originals, images, unusable = [], {}, {}, {}
     for key in sorted(samples):
         data = _image_bytes(samples[key])
         sha = hashlib.sha256(data or b"").hexdigest()
         original = samples[key].get("txt", b"").decode("utf-8", errors="replace")
         keyed.append((key, sha, original))  # the caption belongs to the sample, the generation to the image
         originals.setdefault(sha, original)
-        image = _decode(data) if data else None
+        image, problem = _decode(data, run.max_pixels) if data else (None, UNREADABLE)
         if image is None:
-            stats.rejected[UNREADABLE] += 1
+            stats.rejected[problem] += 1
+            unusable[sha] = problem
         else:
             images[sha] = image
     done = {sha: row["settings"] for sha, row in earlier.items()}
@@ -141,7 +160,7 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
     )
     rows = []
     for key, sha, original in keyed:
-        rows.append(_row(key, sha, original, new.get(sha), earlier.get(sha), sha in images, run, stats))
+        rows.append(_row(key, sha, original, new.get(sha), earlier.get(sha), unusable.get(sha), run, stats))
     table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata({INPUT_SHA256: tar_sha.encode()})
     with atomic_file(out) as fh:
         pq.write_table(table, fh)
@@ -153,17 +172,17 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def _row(key, sha, original, caption, earlier_row, readable, run: Captioning, stats: CaptionStats) -> dict:
+def _row(key, sha, original, caption, earlier_row, unusable, run: Captioning, stats: CaptionStats) -> dict:
     if caption is not None:  # shared by every sample of the same image bytes: a rejection keeps each one's own
         generated, rejected, tokens = caption.generated, caption.rejected, caption.tokens
         text = original if rejected else caption.text
         if rejected:
             stats.rejected[rejected] += 1
-    elif readable and earlier_row is not None:
+    elif unusable is None and earlier_row is not None:
         generated, rejected, tokens = (earlier_row[k] for k in ("generated", "rejected", "tokens"))
         text = original if rejected else earlier_row["synthetic_caption"]
     else:
-        text, generated, rejected, tokens = original, "", UNREADABLE, 0
+        text, generated, rejected, tokens = original, "", unusable or UNREADABLE, 0
     truncated = tokens > run.max_tokens
     stats.truncated += truncated
     return {"key": key, "image_sha256": sha, "original_caption": original, "synthetic_caption": text,

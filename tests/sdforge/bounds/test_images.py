@@ -1,6 +1,7 @@
-"""Image bounds on a re-read (issue 39, case 6): ``encode_latents`` applies ``fetch.max_image_pixels`` to the
-shards it decodes — a header declaring a bomb is skipped before any pixel is decoded, a very thin image before
-its bucket resize — and counts both as ``too_large``; the samples beside them are kept."""
+"""Image bounds on a re-read (issue 39, cases 5 and 6): ``caption_images`` and ``encode_latents`` apply
+``fetch.max_image_pixels`` to the shards they decode — a header declaring a bomb is skipped before any pixel is
+decoded, a very thin image before its resize — and count both as ``too_large``; the samples beside them are
+kept."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import resource
 import zlib
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
 from sdforge.bounds.images import ImageRejected, check_header
+from sdforge.captions.shards import Captioning, caption_shards
+from sdforge.ingest.shards import tar_bytes
 from sdforge.latents.inputs import decode_chunk, decode_sample
 from tests.fixtures.sources import RED, image_bytes, png_header
 
@@ -49,3 +53,27 @@ def test_encode_skips_a_bomb_and_a_thin_image_as_too_large_and_keeps_the_rest():
 def test_without_a_limit_a_thin_image_is_still_decoded_as_before():
     sample = decode_sample("k", {"png": _thin_png(2_000), "txt": b"t"}, [(32, 32)])
     assert sample.problem is None and sample.image.shape == (32, 32, 3)
+
+
+def test_caption_images_skips_a_bomb_and_a_thin_image_and_captions_the_rest(tmp_path):
+    """Issue 39, case 5: the recaption stage reads the fetched shards with the fetch stage's bound."""
+    shards, out = tmp_path / "shards", tmp_path / "captions"
+    shards.mkdir()
+    samples = [
+        {"__key__": "000000000", "png": BOMB, "txt": "bomb"},
+        {"__key__": "000000001", "png": image_bytes(40, 40, RED, "PNG"), "txt": "good"},
+        {"__key__": "000000002", "png": _thin_png(1_000_000), "txt": "thin"},
+    ]
+    (shards / "00000.tar").write_bytes(tar_bytes(samples))
+    asked = []
+
+    def generate(images):
+        asked.extend(img.shape for img in images)
+        return ["a red square"] * len(images)
+
+    run = Captioning("scripted", None, "fp", "a photo of", generate, lambda t: 3, max_pixels=MAX_PIXELS)
+    stats = caption_shards(shards, out, run)
+    rows = pq.read_table(out / "00000.parquet").to_pylist()
+    assert asked == [(40, 40, 3)] and stats.rejected == {"too_large": 2}
+    assert [(r["rejected"], r["synthetic_caption"]) for r in rows] == [
+        ("too_large", "bomb"), (None, "a red square"), ("too_large", "thin")]  # fmt: skip
