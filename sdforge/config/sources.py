@@ -200,6 +200,11 @@ class InputLimits(Section):
     json_max_entries: int = Field(200_000_000, ge=1)
     """Values in all arrays and objects of one JSON document (COCO train2017's instances file holds tens of
     millions, mostly polygon coordinates)."""
+    archive_max_bytes: int = Field(64 << 30, ge=1)
+    """Bytes a compressed side file (a JourneyDB annotation ``.jsonl.tgz``) may inflate to."""
+    archive_max_ratio: int = Field(100, ge=1)
+    """Inflated ÷ compressed size of a side file or a DiffusionDB JSON member (JSON text gzips 5–20×; a bomb
+    1,000× and more); a file inflates to at least 64 MiB whatever its ratio."""
 
 
 class Source(Section):

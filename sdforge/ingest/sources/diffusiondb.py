@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sdforge.bounds import json_docs
+from sdforge.bounds.archives import inflate_limit
 from sdforge.config import FilterRules, InputLimits
 from sdforge.ingest.sources.rows import DropCounter, row, safe_member, write_rows
 from sdforge.io import InputError
@@ -52,12 +53,16 @@ def read_mappings(zip_path: Path, limits: InputLimits) -> tuple[list[tuple[str, 
 
 def _mapping_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: InputLimits, entries: list) -> str | None:
     """Append the mapping of JSON member ``info`` to ``entries``; or why it cannot be read (nothing appended).
-    Its declared size is checked before it is read: ``zipfile`` stops inflating a member at that size."""
+    Its declared size and ratio are checked before it is read: ``zipfile`` stops inflating a member at that
+    size (a member that inflates further fails its CRC: a bad part, not a bomb)."""
     if info.file_size > limits.json_max_bytes:
         return str(json_docs.JsonLimitError(json_docs.TOO_LARGE, f"{info.file_size:,}-byte JSON member", limits))
+    if info.file_size > inflate_limit(info.compress_size, limits):
+        return (f"inflates {info.compress_size:,} bytes to {info.file_size:,} (sources.<source>.inputs."
+                f"archive_max_ratio {limits.archive_max_ratio}): a decompression bomb")  # fmt: skip
     try:
         mapping = json_docs.loads(zf.read(info), limits)
-    except ValueError as err:  # not JSON, not UTF-8, or over a limit
+    except (ValueError, zipfile.BadZipFile) as err:  # not JSON, not UTF-8, over a limit, or a bad CRC/size
         return f"{type(err).__name__}: {err}"
     if not isinstance(mapping, dict):
         return "not a JSON object (file name → metadata)"

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sdforge.bounds import json_docs
+from sdforge.bounds.archives import ArchiveLimitError, bounded_lines, open_inflated
 from sdforge.config import FilterRules, InputLimits, JourneyDbOptions
 from sdforge.ingest.sources.rows import DropCounter, row, safe_member, write_rows
 from sdforge.io import InputError
@@ -54,19 +55,23 @@ def find_files(in_dir: Path) -> tuple[list[Path], dict[str, str]]:
     return annotations, archives
 
 
-def annotation_lines(path: Path) -> Iterator[bytes]:
-    """The non-blank lines of a ``.jsonl``, or of every regular ``.jsonl`` member of a (gzipped) tar."""
+def annotation_lines(path: Path, limits: InputLimits = json_docs.DEFAULT_LIMITS) -> Iterator[bytes | None]:
+    """The non-blank lines of a ``.jsonl``, or of every regular ``.jsonl`` member of a (gzipped) tar; None for a
+    line over ``json_max_bytes`` (skipped without holding it). A (gzipped) tar inflating past
+    ``archive_max_ratio`` × its size or ``archive_max_bytes`` is an :class:`InputError` naming it and the keys."""
     if path.name.endswith(".jsonl"):
         with path.open("rb") as fh:
-            yield from (line for line in fh if line.strip())
+            yield from bounded_lines(fh, limits.json_max_bytes)
         return
     try:
-        with tarfile.open(path, "r|*") as tar:
+        with open_inflated(path, limits) as inflated, tarfile.open(fileobj=inflated, mode="r|") as tar:
             for info in tar:
                 if info.isreg() and info.name.endswith(".jsonl"):
                     fh = tar.extractfile(info)
                     assert fh is not None
-                    yield from (line for line in fh if line.strip())
+                    yield from bounded_lines(fh, limits.json_max_bytes)
+    except ArchiveLimitError as err:
+        raise InputError(f"annotation archive {err}") from None
     except (tarfile.TarError, EOFError, OSError) as err:
         raise InputError(f"{path}: unreadable annotation archive ({type(err).__name__}: {err})") from None
 
@@ -95,9 +100,9 @@ def filter_journeydb(
     annotations, archives = find_files(in_dir)
     drops, rows, kept, rows_in = DropCounter(REASONS), [], set(), 0
     for path in annotations:
-        for line in annotation_lines(path):
+        for line in annotation_lines(path, limits):
             rows_in += 1
-            record, reason = parse_record(line, limits)
+            record, reason = parse_record(line, limits) if line is not None else (None, json_docs.TOO_LARGE)
             if record is None:
                 drops.drop(reason)
                 continue
