@@ -285,6 +285,9 @@ def measure_stall(unet, state: dict, params, run_dir: Path, rounds: int = 3) -> 
         for key, value in (("alone", alone), ("stall", stall), ("cost", total), ("steps", steps), ("hold", hold),
                            ("wait", wait), ("write", write)):  # fmt: skip
             seen.setdefault(mode, {}).setdefault(key, []).append(value)
+        print(f"  round {step - STEP + 1}/{len(modes)} ({mode} copy): hold {hold:.2f} s, wait {wait:.2f} s, stall "
+              f"{stall:.2f} s, cost {total:.2f} s over {steps} steps of {alone:.2f} s, written in {write:.1f} s",
+              flush=True)  # fmt: skip
     manager.close()
     for mode, values in seen.items():
         print(f"background, {mode} copy: " + "; ".join(f"{k} {_fmt(v)} s" for k, v in values.items()))
@@ -341,6 +344,33 @@ def write_baseline(unet, state: dict, out: Path) -> dict[str, float]:
     return {"baseline_s": time.perf_counter() - t0, "bytes": dir_bytes(out)}
 
 
+def _remove(tmp: Path, created: list[Path]) -> None:
+    """Delete the bench's temporary checkpoints and the folders it created (deepest first, if empty)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def report_stall_only(stall: dict[str, float], scale: float) -> None:
+    """The ``--stall-only`` summary and RESULT line: the deferred copy (ours) against the inline copy."""
+    print(f"in the background: save() holds the step {stall['hold_s']:.2f} s, its update waits "
+          f"{stall['wait_s']:.2f} s, "
+          f"the next step is {stall['stall_s']:.2f} s longer (step alone {stall['step_s']:.2f} s), all steps until the "
+          f"write is done {stall['cost_s']:.2f} s longer; inline copy: {stall['inline_stall_s']:.2f} / "
+          f"{stall['inline_hold_s']:.2f} / {stall['inline_cost_s']:.2f} s; writes take up to "
+          f"{stall['async_write_s']:.1f} s")  # fmt: skip
+    print(result_line(
+        "checkpoint_write", stall["inline_cost_s"] / max(stall["cost_s"], 1e-3), stall_s=stall["stall_s"],
+        first_stall_s=stall["first_stall_s"], hold_s=stall["hold_s"], wait_s=stall["wait_s"], cost_s=stall["cost_s"],
+        inline_stall_s=stall["inline_stall_s"], inline_hold_s=stall["inline_hold_s"],
+        inline_cost_s=stall["inline_cost_s"], step_s=stall["step_s"], async_write_s=stall["async_write_s"],
+        scale=scale, stall_only="yes", machine=machine(),
+    ))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small UNet (seconds; timings meaningless)")
@@ -351,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline-first", action="store_true", help="write the baseline before ours (order check)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the state lives (cuda: the background write copies it to pinned host memory)")
+    ap.add_argument("--stall-only", action="store_true",
+                    help="only the background write's stall (no blocking/baseline writes: a GPU lease is short); "
+                    "ratio = the inline copy's cost ÷ the deferred copy's")
+    ap.add_argument("--rounds", type=int, default=3, help="background rounds per copy mode (median)")
     ap.add_argument("--scale", default="auto", help="block-width scale of the UNet; auto: 1 when the state and a "
                     "host copy of it fit in free memory (the background write's), else the largest that does")
     args = ap.parse_args(argv)
@@ -385,6 +419,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"not enough free disk under {args.dir}: {free / 1e9:.1f} GB < {need * 1.1 / 1e9:.1f} GB")
 
     tmp = Path(tempfile.mkdtemp(prefix="run-", dir=args.dir))
+    if args.stall_only:
+        try:
+            stall = measure_stall(unet, state, params, tmp / "async", rounds=args.rounds)
+        finally:
+            _remove(tmp, created)
+        report_stall_only(stall, scale)
+        return
     try:
         if args.baseline_first:
             base = write_baseline(unet, state, tmp / "baseline")
@@ -396,12 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(tmp / "baseline", ignore_errors=True)
         stall = measure_stall(unet, state, params, tmp / "async")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for d in created:  # deepest first
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        _remove(tmp, created)
 
     ours_s, hash_s, baseline_s = ours["ours_s"], ours["hash_s"], base["baseline_s"]
     write_s = ours_s - hash_s

@@ -57,27 +57,28 @@ if [ "$quick" = 1 ]; then
     "tests|100|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
     "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off"
     "attention|30|$py -m bench.gpu.attention_probe --quick --device $device"
-    "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device"
+    "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device --stall-only --rounds 1"
     "train_check|120|$py -m bench.gpu.train_check --quick --train async_checkpoint=on"
     "switches|80|$py -m bench.train_step $cfg --batch 4 --ckpt off --channels-last both --attention auto,math"
     "encode|90|$py -m bench.encode_pipeline --quick --vae demo --device $device"
   )
 else
   full="--config full --device $device --rounds 1 --steps 8"
-  # Ordered by value for a 15-minute lease (one call of <= 600 s, then one short call while warm), issue 38:
-  # correctness (gpu tests, sync-free step), the plain loop vs our eager step, compiled blocks (+ compile time),
-  # the attention kernels per head size, the background checkpoint's stall, the kill/resume check with
-  # background checkpoints, then every switch at batch 32/48/64, then encode.
+  # Ordered by value for a 15-minute lease (one call of <= 600 s, then one short call while warm). Measured on an
+  # H100 on 2026-11-27 (bench/README.md "GPU figures"): the gpu tests, eager plain vs ours at batch 32/48 (64
+  # does not fit 80 GB eager), compiled blocks at 64, the attention kernels and bf16 encode. Still to measure,
+  # first: the background checkpoint's stall (the blocking write alone outran 150 s there, so --stall-only),
+  # the kill/resume check, the shipped config (batch 24, checkpointing on) with and without compiled blocks,
+  # every switch at 48/64 against the plain loop at 48, whole-UNet compile; then the rest again.
   steps=(
-    "tests|120|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
-    "train_step|150|$py -m bench.train_step $full --batch 64 --ckpt off"
-    "compile|300|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last both --compile blocks"
-    "attention|60|$py -m bench.gpu.attention_probe --batch 8"
-    "checkpoint|150|$py -m bench.checkpoint_write --device cuda"
+    "tests|90|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
+    "checkpoint|180|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1"
     "train_check|300|$py -m bench.gpu.train_check --train compile=blocks --train async_checkpoint=on"
-    "all_switches|400|$py -m bench.train_step $full --batch 32,48,64 --ckpt off --channels-last on --compile blocks --attention cudnn"
+    "shipped|300|$py -m bench.train_step $full --batch 24 --ckpt on --channels-last off --compile off,blocks"
+    "all_switches|400|$py -m bench.train_step $full --batch 48,64 --ckpt off --channels-last off --compile blocks --attention cudnn"
+    "compile_unet|400|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile unet"
+    "train_step|150|$py -m bench.train_step $full --batch 48 --ckpt off"
     "encode|200|$py -m bench.encode_pipeline --vae sd --size 512 --device $device --rounds 2"
-    "compile_unet|400|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last on --compile unet"
   )
 fi
 # The preflight runs the real stages through DVC: it needs DVC, polars and MLflow, which neither the GPU image
