@@ -43,8 +43,11 @@ def token_counter(models_dir: Path):
     return lambda text: len(tokenizer(text, truncation=False).input_ids)
 
 
-def captioning(rec: Recaption, models_dir: Path, max_pixels: int | None = None) -> Captioning:
-    """The run's settings, fingerprint and (lazily loaded) captioner; ``max_pixels``: the source's
+def captioning(
+    rec: Recaption, models_dir: Path, max_pixels: int | None = None, max_caption_chars: int | None = None
+) -> Captioning:
+    """The run's settings, fingerprint and (lazily loaded) captioner; ``max_caption_chars``: the source's
+    ``fetch.max_caption_chars`` (captions read and made are cut to it); ``max_pixels``: the source's
     ``fetch.max_image_pixels`` (a bigger image is not decoded)."""
     model, revision = resolve_model(rec.model, rec.revision, models_dir)
     shorten_revision = resolve_model(rec.shorten.model, rec.shorten.revision, models_dir)[1] if rec.shorten else None
@@ -58,12 +61,13 @@ def captioning(rec: Recaption, models_dir: Path, max_pixels: int | None = None) 
         batch_size=rec.batch_size,
         max_tokens=rec.max_tokens,
         max_pixels=max_pixels,
+        max_caption_chars=max_caption_chars,
     )
 
 
 def run(
     rec: Recaption | None, shards_dir: Path | str, models_dir: Path, out_dir: Path, on_progress=None,
-    max_pixels: int | None = None,
+    max_pixels: int | None = None, max_caption_chars: int | None = None,
 ) -> dict:
     """Caption ``shards_dir``'s tars into ``out_dir`` (or, without ``rec``, leave it without captions); metrics."""
     t0 = time.perf_counter()
@@ -77,7 +81,7 @@ def run(
     tars = sorted(Path(shards_dir).glob("*.tar"))
     if not tars:
         raise InputError(f"{shards_dir}: no .tar shards found (did fetch_images run?)")
-    run_ = captioning(rec, models_dir, max_pixels)
+    run_ = captioning(rec, models_dir, max_pixels, max_caption_chars)
     stats = caption_shards(Path(shards_dir), out_dir, run_, on_progress)
     if stats.stale:
         log.warning("%d image(s) had captions made with other settings: recaptioned", stats.stale)
@@ -124,8 +128,11 @@ def run_stage(params: Params, item: str) -> dict:
             mlflow.log_metrics({f"progress.{k}": float(v) for k, v in figures.items()}, step=figures["captioned"])
 
         shards = f"{paths.shards.rstrip('/')}/{item}" if paths.shards.startswith("s3://") else Path(paths.shards) / item
-        max_pixels = params.sources[item].fetch.max_image_pixels
-        metrics = run(rec, shards, Path(paths.models), out_dir, EtaLog(item, progress), max_pixels)
+        fetch = params.sources[item].fetch
+        metrics = run(
+            rec, shards, Path(paths.models), out_dir, EtaLog(item, progress), fetch.max_image_pixels,
+            fetch.max_caption_chars,
+        )  # fmt: skip
         metrics = {k: v for k, v in metrics.items() if v is not None}
         _log_outputs(mlflow, item, metrics, out_dir, Path(shards))
     return metrics

@@ -71,7 +71,7 @@ def resolve_device(device: str) -> str:
 
 def run(
     cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path, buckets: list[Size] | None = None,
-    captions_dir: Path | None = None, max_pixels: int | None = None,
+    captions_dir: Path | None = None, max_pixels: int | None = None, max_caption_chars: int | None = None,
 ) -> dict:
     """Encode every input tar of ``shard_dir`` not already encoded under ``out_dir`` at ``buckets`` (default:
     square ``cfg.resolution``), with the synthetic captions of ``captions_dir`` (caption_images); return metrics."""
@@ -95,7 +95,8 @@ def run(
     if todo:
         (out_dir / store.MANIFEST).unlink(missing_ok=True)
         written = encode_and_write(
-            cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats, buckets, captions, max_pixels
+            cfg, source, todo, models_dir, out_dir, device, precision, encoder, stats, buckets, captions, max_pixels,
+            max_caption_chars,
         )
         parts.update(written)
     tables = [parts[t.shard][0] for t in tars]
@@ -147,9 +148,9 @@ def run_resolutions(params: Params, source: str) -> dict:
         out = store.resolution_dir(Path(paths.latents), source, name)
         shapes = shapes_of(sets[name])
         captions = Path(paths.captions) / source
-        max_pixels = params.sources[source].fetch.max_image_pixels
+        bounds = params.sources[source].fetch.max_image_pixels, params.sources[source].fetch.max_caption_chars
         shards = _shard_dir(paths.shards, source)
-        got = run(params.encode, source, shards, Path(paths.models), out, shapes, captions, max_pixels)
+        got = run(params.encode, source, shards, Path(paths.models), out, shapes, captions, *bounds)
         for key in ("samples", "shards_encoded", "buckets", "images_per_second"):
             metrics[f"{name}.{key}"] = got[key]
         if got["images_per_second"]:

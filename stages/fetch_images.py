@@ -104,7 +104,7 @@ def run(
         with maybe_serve(serve):
             fetch_urls(filtered, out_dir, fetch, rows)
     else:
-        reshard.run(filtered, metadata_dir, out_dir, fetch, name)
+        reshard.run(filtered, metadata_dir, out_dir, fetch, name, source.fetch.max_caption_chars)
     if source.kind == "laion":
         metrics = shards.summarize_stats(out_dir, url_guard.failure_reason, url_guard.REASONS)
     else:

@@ -60,7 +60,9 @@ def filter_with_histograms(
     out_dir.mkdir(parents=True)
     hist = None
     if source.kind == "laion":
-        metrics, hist = filter_laion(in_dir, out_dir / sources.FILTERED_FILE, source.columns, source.filter)
+        metrics, hist = filter_laion(
+            in_dir, out_dir / sources.FILTERED_FILE, source.columns, source.filter, source.fetch.max_caption_chars
+        )
     else:
         metrics = sources.filter_source(source, name, in_dir, out_dir / sources.FILTERED_FILE)
     log.info("%s: kept %d of %d rows: %s", name, metrics["rows_out"], metrics["rows_in"], metrics)

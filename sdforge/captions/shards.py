@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.bounds.captions import cut_caption, decode_caption
 from sdforge.bounds.images import ImageRejected, check_header
 from sdforge.captions.cache import plan_captions
 from sdforge.captions.captioner import Caption, judge_captions
@@ -82,6 +83,9 @@ class Captioning:
     max_tokens: int = 77
     max_pixels: int | None = None
     """The source's ``fetch.max_image_pixels``: a bigger image is not decoded (:data:`TOO_LARGE`)."""
+    max_caption_chars: int | None = None
+    """The source's ``fetch.max_caption_chars``: an original caption is read, and a generated one judged and
+    stored, cut to it (:mod:`sdforge.bounds.captions`)."""
 
     @property
     def prompt_sha256(self) -> str:
@@ -122,7 +126,7 @@ def _caption_new(todo: dict[str, np.ndarray], originals: dict[str, str], run: Ca
     shas, out = list(todo), {}
     for start in range(0, len(shas), run.batch_size):
         batch = shas[start : start + run.batch_size]
-        texts = run.generate([todo[s] for s in batch])
+        texts = [cut_caption(t, run.max_caption_chars)[0] for t in run.generate([todo[s] for s in batch])]
         judged = judge_captions(texts, [originals[s] for s in batch], run.prompt, run.count_tokens, run.max_tokens)
         out.update(zip(batch, judged, strict=True))
     return out
@@ -140,7 +144,7 @@ def caption_shard(tar: Path, out: Path, earlier: dict[str, dict], run: Captionin
     for key in sorted(samples):
         data = _image_bytes(samples[key])
         sha = hashlib.sha256(data or b"").hexdigest()
-        original = samples[key].get("txt", b"").decode("utf-8", errors="replace")
+        original = decode_caption(samples[key].get("txt", b""), run.max_caption_chars)[0]
         keyed.append((key, sha, original))  # the caption belongs to the sample, the generation to the image
         originals.setdefault(sha, original)
         image, problem = _decode(data, run.max_pixels) if data else (None, UNREADABLE)

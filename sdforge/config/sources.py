@@ -58,6 +58,11 @@ class FetchSettings(Section):
     unspecified (the demo: ``["127.0.0.0/8"]``). Empty: only public addresses are fetched."""
     max_image_pixels: int = Field(89_478_485, ge=1)
     """Decompression-bomb limit (width × height of the *original* image); PIL's default."""
+    max_caption_chars: int = Field(4096, ge=77)
+    """A longer caption is cut to this many characters where it enters (filter: counted as ``captions_truncated``
+    and flagged in ``filtered.parquet``'s ``caption_truncated``) and again wherever a stage reads one (fetch,
+    encode, recaption), so a tokenizer never sees more (:mod:`sdforge.bounds.captions`). 77 CLIP tokens of
+    English take ~300-400 characters."""
     encode_quality: int = Field(95, ge=1, le=100)
     """JPEG quality of the re-encoded 512² images (img2dataset's default)."""
     user_agent_token: str | None = None

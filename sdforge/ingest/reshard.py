@@ -252,9 +252,17 @@ def complete_shards(out_dir: Path, shard_ids: set[int]) -> set[int]:
     return complete
 
 
-def run(filtered: Path, metadata_dir: Path, out_dir: Path, fetch: FetchSettings, source: str) -> None:
-    """Re-shard the filtered rows' images into ``out_dir``; shards already complete there are kept."""
-    rows = load_rows(filtered)
+def run(
+    filtered: Path,
+    metadata_dir: Path,
+    out_dir: Path,
+    fetch: FetchSettings,
+    source: str,
+    caption_max_chars: int | None = None,
+) -> None:
+    """Re-shard the filtered rows' images into ``out_dir``; shards already complete there are kept. Captions
+    are cut to ``caption_max_chars`` (:func:`~sdforge.ingest.reshard_plan.load_rows`)."""
+    rows = load_rows(filtered, caption_max_chars)
     checks = reshard_checks(filtered)
     plans = plan_shards(rows, fetch.shard_size)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ scheme) come from the plan alone: the output does not depend on ``fetch.processe
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from sdforge.ingest import shards
 from sdforge.ingest.archive_members import STREAM_SUFFIXES, ZIP_SUFFIXES, is_stream_archive
 from sdforge.ingest.sources.rows import ROW_COLUMNS
 from sdforge.io import InputError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,9 @@ def plan_shards(rows: list[dict[str, Any]], shard_size: int) -> list[ShardPlan]:
     return plans
 
 
-def load_rows(filtered: Path) -> list[dict[str, Any]]:
-    """The filtered rows, validated: the schema, a JSON-object ``meta``, a known archive type."""
+def load_rows(filtered: Path, caption_max_chars: int | None = None) -> list[dict[str, Any]]:
+    """The filtered rows, validated: the schema, a JSON-object ``meta``, a known archive type. A caption over
+    ``max_caption_chars`` (a parquet the filter stage did not write: it cuts them) is cut, with a warning."""
     df = pl.read_parquet(filtered)
     missing = [c for c in ROW_COLUMNS if c not in df.columns]
     if missing:
@@ -84,6 +88,14 @@ def load_rows(filtered: Path) -> list[dict[str, Any]]:
             "re-run filter_metadata"
         )
     df = df.select(ROW_COLUMNS).with_columns(pl.col("caption").fill_null(""), pl.col("meta").fill_null("{}"))
+    if caption_max_chars is not None:
+        over = int((df["caption"].str.len_chars() > caption_max_chars).sum())
+        if over:
+            log.warning(
+                "%s: %d captions over sources.<s>.fetch.max_caption_chars (%d) cut (re-run filter_metadata: "
+                "it cuts and flags them)", filtered, over, caption_max_chars,
+            )  # fmt: skip
+            df = df.with_columns(pl.col("caption").str.slice(0, caption_max_chars))
     rows = df.sort(pl.col("archive").is_not_null(), "archive", "member", maintain_order=True).to_dicts()
     for i, row in enumerate(rows):
         try:

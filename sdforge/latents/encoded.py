@@ -76,6 +76,7 @@ COUNT_KEYS = (
     "resized",
     "captions_empty",
     "captions_truncated",
+    "captions_cut",
     "captions_synthetic",
     "synthetic_truncated",
 )
@@ -244,11 +245,14 @@ def encode_and_write(
     cfg: Encode, source: str, todo: list[TarInput], models_dir: Path, out_dir: Path, device: str, precision: str,
     encoder: str, stats: Counter, buckets: list[Size], captions: dict[int, dict[str, str] | None] | None = None,
     max_pixels: int | None = None,
+    max_caption_chars: int | None = None,
 ) -> dict:
     """Run the pipeline over ``todo``, writing each shard as it completes; return its parts. ``captions``: per
     shard number, its synthetic captions by key (or None); ``max_pixels``: the source's
     ``fetch.max_image_pixels`` (not in the encoder fingerprint: the shards' bytes change whenever the fetch
-    settings do, and the fetch stage never writes a bigger image)."""
+    settings do, and the fetch stage never writes a bigger image); ``max_caption_chars``: the source's
+    ``fetch.max_caption_chars`` (not in it either: the filter stage cuts captions to it, so the shards change
+    with it)."""
     captions = captions or {}
     vae = AutoencoderKL.from_pretrained(models_dir / "vae")
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
@@ -263,6 +267,7 @@ def encode_and_write(
         channels_last=cfg.channels_last,
         compile=cfg.compile,
         max_pixels=max_pixels,
+        max_caption_chars=max_caption_chars,
     )
     parts, sf = {}, scaling_factor(vae)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import cv2
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from sdforge.bounds import json_docs
+from sdforge.bounds.captions import UTF8_MAX_BYTES_PER_CHAR, cut_caption, decode_caption
 from sdforge.bounds.images import ImageRejected, check_header
 from sdforge.ingest.buckets import CropPlan, Size, plan
 from sdforge.ingest.ustar import (
@@ -89,8 +90,35 @@ class HashingReader:
             self.digest.update(block)
 
 
-def iter_tar_members(fh) -> Iterator[tuple[str, bytes]]:
-    """``(name, data)`` of every regular file in a tar stream, in order; raise :class:`TarDamaged`."""
+SKIP_CHUNK = 1 << 20
+MAX_HEADER_MEMBER = 1 << 20
+"""A GNU long-name or pax header member over this is damage (real ones hold a path and a few records)."""
+
+
+def _read_member(fh, size: int, keep: int | None) -> bytes:
+    """A member's ``size`` bytes (+ padding) read from ``fh``; with ``keep`` below ``size``, only the first ``keep``
+    bytes are kept and the rest is read through in 1 MiB chunks (hashed, never held)."""
+    padded = size + (-size % BLOCK)
+    if keep is None or size <= keep:
+        data = fh.read(padded)
+        if len(data) < padded:
+            raise TarDamaged("the archive ends inside a member")
+        return data[:size] if padded != size else data
+    data, left = fh.read(keep), padded - keep
+    if len(data) < keep:
+        raise TarDamaged("the archive ends inside a member")
+    while left:
+        got = len(fh.read(min(left, SKIP_CHUNK)))
+        if not got:
+            raise TarDamaged("the archive ends inside a member")
+        left -= got
+    return data
+
+
+def iter_tar_members(fh, keep: Callable[[str], int | None] | None = None) -> Iterator[tuple[str, bytes]]:
+    """``(name, data)`` of every regular file in a tar stream, in order; raise :class:`TarDamaged`. ``keep(name)``:
+    how many bytes of a member to keep (None: all); a longer member's rest is read through, not held — a 100 MB
+    caption costs its first bytes only."""
     next_name: str | None = None
     while True:
         header = fh.read(BLOCK)
@@ -99,11 +127,10 @@ def iter_tar_members(fh) -> Iterator[tuple[str, bytes]]:
         if len(header) < BLOCK:
             raise TarDamaged("the archive ends inside a header")
         size, kind, name = parse_header(header)
-        padded = size + (-size % BLOCK)
-        data = fh.read(padded)
-        if len(data) < padded:
-            raise TarDamaged("the archive ends inside a member")
-        data = data[:size] if padded != size else data
+        if kind in (GNU_LONG_NAME, PAX_HEADER) and size > MAX_HEADER_MEMBER:
+            raise TarDamaged(f"a {size:,}-byte long-name/pax header (at most {MAX_HEADER_MEMBER:,} are read)")
+        member = name.decode("utf-8", errors="replace") if next_name is None else next_name
+        data = _read_member(fh, size, keep(member) if keep and kind in REGULAR_TYPES else None)
         if kind == GNU_LONG_NAME:
             next_name = long_name(data).decode("utf-8", errors="replace")
             continue
@@ -116,7 +143,7 @@ def iter_tar_members(fh) -> Iterator[tuple[str, bytes]]:
                 next_name = path.decode("utf-8", errors="replace")
             continue
         if kind in REGULAR_TYPES:
-            yield name.decode("utf-8", errors="replace") if next_name is None else next_name, data
+            yield member, data
         next_name = None
 
 
@@ -127,15 +154,26 @@ def split_key(name: str) -> tuple[str, str]:
     return (name, "") if dot < 0 else (name[:dot], name[dot + 1 :])
 
 
-def iter_tar_groups(fh, counts: Counter) -> Iterator[tuple[str, dict[str, bytes]]]:
+def caption_bytes(max_caption_chars: int | None) -> Callable[[str], int | None] | None:
+    """The ``keep`` of :func:`iter_tar_members` that reads a ``.txt`` member only as far as
+    ``max_caption_chars`` characters can use (one byte more, so that the cut is seen)."""
+    if max_caption_chars is None:
+        return None
+    limit = max_caption_chars * UTF8_MAX_BYTES_PER_CHAR + 1
+    return lambda name: limit if name.endswith(".txt") else None
+
+
+def iter_tar_groups(
+    fh, counts: Counter, max_caption_chars: int | None = None
+) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Stream ``(key, {ext: bytes})`` from a WebDataset tar; a repeated key is skipped, damage ends it.
 
     Both are counted (``skipped_duplicate_key``, ``tar_errors``); the sample being read when the
-    damage shows is dropped.
+    damage shows is dropped. A ``.txt`` member is read only as far as ``max_caption_chars`` can use.
     """
     key, files, seen = None, {}, set()
     try:
-        for name, data in iter_tar_members(fh):
+        for name, data in iter_tar_members(fh, caption_bytes(max_caption_chars)):
             member_key, ext = split_key(name)
             if member_key != key:
                 if key is not None and key not in seen:
@@ -180,6 +218,8 @@ class Decoded:
     crop: tuple[int, int, int, int] | None = None
     synthetic: str | None = None
     """The sample's synthetic caption (caption_images), None when it has none."""
+    caption_cut: bool = False
+    """The caption (or its synthetic one) was cut to ``max_caption_chars`` before tokenization."""
 
 
 def cover_crop(img: np.ndarray, crop_plan: CropPlan) -> np.ndarray:
@@ -201,15 +241,17 @@ def decode_sample(
     buckets: Sequence[Size],
     wrong_size: str = "resize",
     max_pixels: int | None = None,
+    max_caption_chars: int | None = None,
 ) -> Decoded:
     """Decode one WebDataset sample to RGB at its nearest bucket (:func:`sdforge.ingest.buckets.plan`);
     bad samples come back with a ``problem``. ``max_pixels`` (``fetch.max_image_pixels``): an image whose
     header declares more pixels, or whose resize to cover its bucket would make more (a very thin one), is
     ``too_large`` — checked before the pixels are decoded or resized (the fetch stage never writes one; a shard
-    from elsewhere may)."""
-    caption = files.get("txt", b"").decode("utf-8", errors="replace")
+    from elsewhere may). ``max_caption_chars`` (``sources.<s>.fetch.max_caption_chars``): the caption is cut to
+    it before it is decoded whole, tokenized or stored (:mod:`sdforge.bounds.captions`)."""
+    caption, cut = decode_caption(files.get("txt", b""), max_caption_chars)
     meta = _sizes(files.get("json"))
-    out = Decoded(key, caption, None, original_width=meta[0], original_height=meta[1])
+    out = Decoded(key, caption, None, original_width=meta[0], original_height=meta[1], caption_cut=cut)
     data = next((files[e] for e in IMAGE_EXTS if e in files), None)
     if data is None:
         out.problem = "no_image"
@@ -248,13 +290,17 @@ def decode_chunk(
     wrong_size: str,
     synthetic: dict[str, str] | None = None,
     max_pixels: int | None = None,
+    max_caption_chars: int | None = None,
 ) -> list[Decoded]:
     """:func:`decode_sample` over several samples (one pool job: less per-sample overhead); each gets its
-    synthetic caption from ``synthetic`` (by key) when there is one."""
-    out = [decode_sample(key, files, buckets, wrong_size, max_pixels) for key, files in chunk]
+    synthetic caption from ``synthetic`` (by key, cut to ``max_caption_chars`` too) when there is one."""
+    out = [decode_sample(key, files, buckets, wrong_size, max_pixels, max_caption_chars) for key, files in chunk]
     if synthetic:
         for sample in out:
-            sample.synthetic = synthetic.get(sample.key)
+            text = synthetic.get(sample.key)
+            if text is not None:
+                sample.synthetic, cut = cut_caption(text, max_caption_chars)
+                sample.caption_cut |= cut
     return out
 
 

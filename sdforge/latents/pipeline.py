@@ -68,6 +68,8 @@ class Options:
     compile: bool = False
     max_pixels: int | None = None
     """``fetch.max_image_pixels`` of the source: a bigger image (header, or its bucket resize) is skipped."""
+    max_caption_chars: int | None = None
+    """``fetch.max_caption_chars`` of the source: a longer caption is cut before it is tokenized (counted)."""
 
 
 @dataclass
@@ -253,7 +255,7 @@ class _BatchFeeder:
             synthetic = self.captions(tar) if self.captions else None
             with open(local, "rb", buffering=1 << 20) as raw:
                 fh = HashingReader(raw, digest)
-                for sample in iter_tar_groups(fh, counts):
+                for sample in iter_tar_groups(fh, counts, self.opts.max_caption_chars):
                     chunk.append(sample)
                     if len(chunk) == _CHUNK:
                         if not self._submit(chunk, synthetic):
@@ -268,7 +270,9 @@ class _BatchFeeder:
     def _submit(self, chunk: list, synthetic: dict[str, str] | None) -> bool:
         """Queue a decode job for ``chunk`` (``synthetic``: the tar's synthetic captions); False once stopped."""
         opts = self.opts
-        job = self.pool.submit(decode_chunk, chunk, opts.buckets, opts.wrong_size, synthetic, opts.max_pixels)
+        job = self.pool.submit(
+            decode_chunk, chunk, opts.buckets, opts.wrong_size, synthetic, opts.max_pixels, opts.max_caption_chars
+        )
         return _put(self.decoded, job, self.stop)
 
     def _batch(self) -> None:
@@ -320,6 +324,7 @@ def _make_batch(samples: list[Decoded], tokens: Tokens, device: torch.device, co
         counts["synthetic_truncated"] += sum(c and s.synthetic is not None for s, c in zip(samples, cut, strict=True))
     counts["resized"] += sum(s.resized for s in samples)
     counts["captions_truncated"] += sum(truncated)
+    counts["captions_cut"] += sum(s.caption_cut for s in samples)
     counts["captions_empty"] += sum(not s.caption.strip() for s in samples)
     images = torch.from_numpy(np.stack([s.image for s in samples]))
     if device.type == "cuda":

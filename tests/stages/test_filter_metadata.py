@@ -70,6 +70,7 @@ def test_demo_drop_counts_equal_the_injected_rows(demo_params, run_until, tree_d
         "dropped_duplicate_url": made["duplicate_url_rows"],
         "dropped_duplicate_hash": made["duplicate_hash_rows"],
         "rows_out": demo.laion_rows + demo.missing_rows,
+        "captions_truncated": 0,
     }
     out = Path(demo_params.paths.filtered) / "laion"
     df = pl.read_parquet(out / "filtered.parquet")
@@ -83,6 +84,7 @@ def test_demo_drop_counts_equal_the_injected_rows(demo_params, run_until, tree_d
         "pwatermark",
         "aesthetic",
         "hash",
+        "caption_truncated",
     ]
     assert df.height == demo.laion_rows + demo.missing_rows
     assert df["url"].n_unique() == df.height and df["hash"].n_unique() == df.height
@@ -333,11 +335,14 @@ def test_a_missing_column_names_the_file_it_is_missing_from(tmp_path):
         filter_metadata.run(Source(kind="laion", repo="unused", filter=RULES), "laion", meta, tmp_path / "out")
 
 
-def test_empty_null_and_very_long_captions_are_kept_as_they_are(tmp_path):
-    long = "a very long caption " * 5000
-    metrics, kept = filter_rows(tmp_path, laion_rows({"TEXT": ""}, {"TEXT": None}, {"TEXT": long}))
-    assert metrics["rows_out"] == 3
-    assert kept["caption"].to_list() == ["", None, long]
+def test_empty_and_null_captions_are_kept_and_a_very_long_one_is_cut_flagged_and_counted(tmp_path):
+    long = "a very long caption " * 5000  # 100,000 characters
+    metrics, kept = filter_rows(
+        tmp_path, laion_rows({"TEXT": ""}, {"TEXT": None}, {"TEXT": long}, {"TEXT": "é" * 4096})
+    )
+    assert (metrics["rows_out"], metrics["captions_truncated"]) == (4, 1)
+    assert kept["caption"].to_list() == ["", None, long[:4096], "é" * 4096]
+    assert kept["caption_truncated"].to_list() == [False, False, True, False]
 
 
 def test_hidden_folders_are_not_read(tmp_path):

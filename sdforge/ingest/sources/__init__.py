@@ -27,15 +27,19 @@ FILTERED_FILE = "filtered.parquet"
 
 def filter_source(source: Source, name: str, in_dir: Path, out_file: Path) -> dict[str, Any]:
     """Write the filtered rows of local source ``name`` to ``out_file``; return the filter metrics."""
-    kind, rules = source.kind, source.filter
+    kind, rules, cap = source.kind, source.filter, source.fetch.max_caption_chars
     if kind == "diffusiondb":
-        return filter_diffusiondb(in_dir, out_file, rules, source.inputs)
+        return filter_diffusiondb(in_dir, out_file, rules, source.inputs, max_caption_chars=cap)
     if kind == "journeydb":
-        return filter_journeydb(in_dir, out_file, source.journeydb, rules, source.inputs)
+        return filter_journeydb(in_dir, out_file, source.journeydb, rules, source.inputs, max_caption_chars=cap)
     if kind == "vggface2":
-        return filter_vggface2(in_dir, out_file, source.vggface2, rules, source.fetch.max_image_pixels)
+        return filter_vggface2(
+            in_dir, out_file, source.vggface2, rules, source.fetch.max_image_pixels, max_caption_chars=cap
+        )
     if kind == "coco":
-        return filter_coco(in_dir, out_file, source.coco, rules, source.inputs)
+        return filter_coco(in_dir, out_file, source.coco, rules, source.inputs, max_caption_chars=cap)
     if kind == "local":
-        return filter_local(in_dir, out_file, source.local, rules, source.fetch.max_image_pixels, source.inputs)
+        return filter_local(
+            in_dir, out_file, source.local, rules, source.fetch.max_image_pixels, source.inputs, max_caption_chars=cap
+        )
     raise InputError(f"sources.{name}.kind: '{kind}' has no filter adapter (supported: laion, {sorted(LOCAL_KINDS)})")

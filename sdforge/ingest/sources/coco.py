@@ -106,6 +106,7 @@ def filter_coco(
     options: CocoOptions,
     rules: FilterRules,
     limits: InputLimits = json_docs.DEFAULT_LIMITS,
+    max_caption_chars: int | None = None,
 ) -> dict[str, int]:
     """One row per image with a person box ≥ ``min_person_height`` of its height and a caption. An annotation
     file over ``limits`` (``sources.<s>.inputs``) is an error naming it and the key."""
@@ -125,8 +126,9 @@ def filter_coco(
                 drops.drop(kept)
             else:
                 rows.append(kept)
-    write_rows(rows, out_file)
+    cut = write_rows(rows, out_file, max_caption_chars)
     return drops.metrics(
+        captions_truncated=cut,
         files=len(instance_files) + len(caption_files),
         rows_in=rows_in,
         rows_out=len(rows),

@@ -71,7 +71,11 @@ def _mapping_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limits: InputLi
 
 
 def filter_diffusiondb(
-    in_dir: Path, out_file: Path, rules: FilterRules, limits: InputLimits = json_docs.DEFAULT_LIMITS
+    in_dir: Path,
+    out_file: Path,
+    rules: FilterRules,
+    limits: InputLimits = json_docs.DEFAULT_LIMITS,
+    max_caption_chars: int | None = None,
 ) -> dict[str, int]:
     """Rows of every zip's mapping minus unsafe names, null prompts, images missing from the zip and repeats;
     a part whose mapping is unusable costs its images (``bad_metadata``), not the source."""
@@ -101,5 +105,5 @@ def filter_diffusiondb(
             else:
                 kept.add(member)
                 rows.append(row(archive, member, caption, {v: entry.get(k) for k, v in META_KEYS.items()}))
-    write_rows(rows, out_file, min_width=rules.min_width, min_height=rules.min_height)
-    return drops.metrics(files=len(zips), rows_in=rows_in, rows_out=len(rows))
+    cut = write_rows(rows, out_file, max_caption_chars, min_width=rules.min_width, min_height=rules.min_height)
+    return drops.metrics(files=len(zips), rows_in=rows_in, rows_out=len(rows), captions_truncated=cut)

@@ -95,6 +95,7 @@ def filter_journeydb(
     options: JourneyDbOptions,
     rules: FilterRules,
     limits: InputLimits = json_docs.DEFAULT_LIMITS,
+    max_caption_chars: int | None = None,
 ) -> dict[str, int]:
     """One row per annotation line whose image archive is present, with the chosen caption."""
     annotations, archives = find_files(in_dir)
@@ -124,5 +125,7 @@ def filter_journeydb(
                 kept.add(member)
                 meta = {"prompt": prompt, "task2_caption": description}
                 rows.append(row(archives[folder], member, caption, meta))
-    write_rows(rows, out_file, min_width=rules.min_width, min_height=rules.min_height)
-    return drops.metrics(files=len(annotations) + len(archives), rows_in=rows_in, rows_out=len(rows))
+    cut = write_rows(rows, out_file, max_caption_chars, min_width=rules.min_width, min_height=rules.min_height)
+    return drops.metrics(
+        files=len(annotations) + len(archives), rows_in=rows_in, rows_out=len(rows), captions_truncated=cut
+    )

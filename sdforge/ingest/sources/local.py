@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from sdforge.bounds import json_docs
+from sdforge.bounds.captions import read_caption_file
 from sdforge.config import FilterRules, InputLimits, LocalOptions
 from sdforge.ingest.sources import loose
-from sdforge.ingest.sources.rows import DropCounter, inside, row, write_rows
+from sdforge.ingest.sources.rows import TRUNCATED_COLUMN, DropCounter, inside, row, write_rows
 from sdforge.io import InputError
 
 REASONS = (*loose.REASONS, "no_caption", "bad_caption", *json_docs.REASONS, "excluded_tag", "no_score", "low_score")
@@ -43,6 +44,19 @@ class Dropped(Exception):
 def read_sidecar(image: Path, suffix: str, max_bytes: int | None = None) -> str:
     """The UTF-8 text of ``image``'s side file with ``suffix``, or :class:`Dropped`; over ``max_bytes``: dropped
     as ``json_too_large`` before it is read."""
+    return _read_sidecar(image, suffix, max_bytes)[0]
+
+
+def read_caption_sidecar(image: Path, max_chars: int | None) -> tuple[str, bool]:
+    """``image``'s ``.txt`` caption, stripped, read only as far as ``max_chars`` characters, and whether it was cut;
+    or :class:`Dropped`."""
+    text, cut = _read_sidecar(image, ".txt", None, max_chars)
+    return text.strip(), cut
+
+
+def _read_sidecar(
+    image: Path, suffix: str, max_bytes: int | None, max_chars: int | None = None
+) -> tuple[str, bool]:
     path = image.with_suffix(suffix)
     if not path.is_file():
         raise Dropped("no_caption")
@@ -51,7 +65,7 @@ def read_sidecar(image: Path, suffix: str, max_bytes: int | None = None) -> str:
     try:
         if max_bytes is not None and path.stat().st_size > max_bytes:
             raise Dropped(json_docs.TOO_LARGE)
-        return path.read_text(encoding="utf-8")
+        return read_caption_file(path, max_chars)
     except (UnicodeDecodeError, OSError):
         raise Dropped("bad_caption") from None
 
@@ -97,14 +111,20 @@ def process_tags(
 
 
 def caption_of(
-    member: str, path: Path, options: LocalOptions, limits: InputLimits = json_docs.DEFAULT_LIMITS
-) -> tuple[str, dict[str, Any]]:
-    """``(caption, meta)`` for one image, or :class:`Dropped`."""
+    member: str,
+    path: Path,
+    options: LocalOptions,
+    limits: InputLimits = json_docs.DEFAULT_LIMITS,
+    max_caption_chars: int | None = None,
+) -> tuple[str, dict[str, Any], bool]:
+    """``(caption, meta, cut)`` for one image, or :class:`Dropped`; a ``.txt`` caption is read only as far as
+    ``max_caption_chars`` characters (``cut``: it went on)."""
     if options.mode == "txt":
-        return read_sidecar(path, ".txt").strip(), {}
+        caption, cut = read_caption_sidecar(path, max_caption_chars)
+        return caption, {}, cut
     tags, score = parse_tags(read_sidecar(path, ".json", limits.json_max_bytes), limits)
     kept, adjusted = process_tags(member, tags, score, options)
-    return ", ".join(kept), {"tags": kept, "score": score, "adjusted_score": adjusted}
+    return ", ".join(kept), {"tags": kept, "score": score, "adjusted_score": adjusted}, False
 
 
 def filter_local(
@@ -114,6 +134,7 @@ def filter_local(
     rules: FilterRules,
     max_pixels: int | None = None,
     limits: InputLimits = json_docs.DEFAULT_LIMITS,
+    max_caption_chars: int | None = None,
 ) -> dict[str, int]:
     """One row per image with a usable caption file."""
     files = loose.scan(in_dir)
@@ -122,10 +143,10 @@ def filter_local(
     drops, rows = DropCounter(REASONS), []
     for member, path, _ in loose.images(in_dir, rules, drops, files, max_pixels):
         try:
-            caption, meta = caption_of(member, path, options, limits)
+            caption, meta, cut = caption_of(member, path, options, limits, max_caption_chars)
         except Dropped as dropped:
             drops.drop(dropped.reason)
             continue
-        rows.append(row(None, member, caption, meta))
-    write_rows(rows, out_file)
-    return drops.metrics(files=len(files), rows_in=len(files), rows_out=len(rows))
+        rows.append(row(None, member, caption, meta) | {TRUNCATED_COLUMN: cut})
+    cut = write_rows(rows, out_file, max_caption_chars)
+    return drops.metrics(files=len(files), rows_in=len(files), rows_out=len(rows), captions_truncated=cut)

@@ -21,10 +21,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.bounds.captions import cut_caption
 from sdforge.bounds.paths import resolves_inside
 
 ROW_COLUMNS = ("archive", "member", "caption", "meta")
-ROW_SCHEMA = pa.schema([(name, pa.string()) for name in ROW_COLUMNS])
+TRUNCATED_COLUMN = "caption_truncated"
+"""True where the caption was cut to ``sources.<s>.fetch.max_caption_chars`` (:mod:`sdforge.bounds.captions`)."""
+ROW_SCHEMA = pa.schema([*((name, pa.string()) for name in ROW_COLUMNS), (TRUNCATED_COLUMN, pa.bool_())])
 RESHARD_CHECKS_KEY = b"sdforge.reshard_checks"
 """Parquet metadata key: JSON ``{"min_width": int|null, "min_height": int|null}`` applied when re-sharding."""
 
@@ -88,21 +91,32 @@ class DropCounter:
 
 
 def write_rows(
-    rows: list[dict[str, Any]], out_file: Path, min_width: int | None = None, min_height: int | None = None
+    rows: list[dict[str, Any]],
+    out_file: Path,
+    caption_max_chars: int | None = None,
+    min_width: int | None = None,
+    min_height: int | None = None,
 ) -> int:
-    """Write ``rows`` sorted by ``(archive, member)`` (loose files first) as parquet; return their count.
+    """Write ``rows`` sorted by ``(archive, member)`` (loose files first) as parquet, each caption cut to
+    ``caption_max_chars`` (flagged in :data:`TRUNCATED_COLUMN`, as is a row that comes flagged); return how many
+    were cut.
 
     ``min_width``/``min_height``: size rules the re-shard step applies (images inside archives).
     """
     keys = [(r["archive"] is not None, r["archive"] or "", r["member"]) for r in rows]
     if len(set(keys)) != len(keys):
         raise AssertionError("adapter wrote the same (archive, member) twice")
+    cut = 0
+    for r in rows:  # a row may come flagged already (its caption file was read only as far as the limit)
+        r["caption"], cut_now = cut_caption(r["caption"], caption_max_chars)
+        r[TRUNCATED_COLUMN] = cut_now or r.get(TRUNCATED_COLUMN, False)
+        cut += r[TRUNCATED_COLUMN]
     ordered = [rows[i] for i in sorted(range(len(rows)), key=keys.__getitem__)]
     table = pa.Table.from_pylist(ordered, schema=ROW_SCHEMA)
     checks = {"min_width": min_width, "min_height": min_height}
     table = table.replace_schema_metadata({RESHARD_CHECKS_KEY: json.dumps(checks, sort_keys=True).encode()})
     pq.write_table(table, out_file)
-    return table.num_rows
+    return cut
 
 
 def reshard_checks(filtered: Path) -> dict[str, int | None]:

@@ -52,7 +52,12 @@ def template_index(member: str, n: int) -> int:
 
 
 def filter_vggface2(
-    in_dir: Path, out_file: Path, options: FaceOptions, rules: FilterRules, max_pixels: int | None = None
+    in_dir: Path,
+    out_file: Path,
+    options: FaceOptions,
+    rules: FilterRules,
+    max_pixels: int | None = None,
+    max_caption_chars: int | None = None,
 ) -> dict[str, int]:
     """One row per face image, with a template caption."""
     identities: dict[str, dict[str, str]] = {}
@@ -74,5 +79,7 @@ def filter_vggface2(
         caption = options.templates[index].format(gender=word)
         meta = {"identity": identity, "name": info.get("name"), "gender": gender, "template": index}
         rows.append(row(None, member, caption, meta))
-    write_rows(rows, out_file)
-    return drops.metrics(files=len(files), rows_in=len(files), rows_out=len(rows), rows_unknown_gender=unknown)
+    cut = write_rows(rows, out_file, max_caption_chars)
+    return drops.metrics(
+        files=len(files), rows_in=len(files), rows_out=len(rows), rows_unknown_gender=unknown, captions_truncated=cut
+    )

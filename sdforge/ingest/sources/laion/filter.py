@@ -43,6 +43,7 @@ import polars as pl
 from sdforge.config import Columns, FilterRules
 from sdforge.ingest.sources.laion.dedup import dedup_mask
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_bin
+from sdforge.ingest.sources.rows import TRUNCATED_COLUMN
 from sdforge.io import InputError
 
 log = logging.getLogger(__name__)
@@ -223,8 +224,22 @@ def _run(query: Callable[[], Any], files: list[Path]) -> Any:
         raise
 
 
-def filter_laion(in_dir: Path, out_file: Path, columns: Columns, rules: FilterRules) -> tuple[dict, Histograms]:
-    """Filter every parquet under ``in_dir`` into ``out_file``; return the metrics and the histograms."""
+def bounded_caption(max_chars: int | None) -> list[pl.Expr]:
+    """The caption cut to ``max_chars`` characters and its ``caption_truncated`` flag (:mod:`sdforge.bounds.captions`;
+    None: flagged False, not cut)."""
+    if max_chars is None:
+        return [pl.lit(False).alias(TRUNCATED_COLUMN)]
+    return [
+        (pl.col("caption").str.len_chars() > max_chars).fill_null(False).alias(TRUNCATED_COLUMN),
+        pl.col("caption").str.slice(0, max_chars),
+    ]
+
+
+def filter_laion(
+    in_dir: Path, out_file: Path, columns: Columns, rules: FilterRules, caption_max_chars: int | None = None
+) -> tuple[dict, Histograms]:
+    """Filter every parquet under ``in_dir`` into ``out_file``, each caption cut to ``caption_max_chars``
+    (flagged in ``caption_truncated``); return the metrics and the histograms."""
     paths = parquet_files(in_dir)
     if not paths:
         raise InputError(f"no parquet files under {in_dir} (run download_metadata first)")
@@ -240,7 +255,9 @@ def filter_laion(in_dir: Path, out_file: Path, columns: Columns, rules: FilterRu
     with _polars_env(POLARS_ROW_GROUP_PREFETCH_SIZE=ROW_GROUP_PREFETCH):
         binned = _run(lambda: rule_counts(files, rules), paths)
         mask = _run(lambda: dedup_mask(kept(["url", "hash", *HISTOGRAMS]), rules), paths)
-        out = kept().with_columns(pl.col("width", "height").cast(pl.Int64, strict=False))
+        out = kept().with_columns(
+            pl.col("width", "height").cast(pl.Int64, strict=False), *bounded_caption(caption_max_chars)
+        )
         n_url_ok, n_out = int(mask["_url_ok"].sum()), int(mask["_keep"].sum())
         if n_out < mask.height:
             rows = mask.with_row_index("_i").filter("_keep")["_i"]
@@ -256,5 +273,8 @@ def filter_laion(in_dir: Path, out_file: Path, columns: Columns, rules: FilterRu
     metrics = {"files": len(paths), "rows_in": sum(by_reason.values())}
     metrics |= {f"dropped_{rule}": dropped.get(rule, 0) for rule in LAION_RULES}
     metrics["rows_out"] = n_out
+    metrics["captions_truncated"] = int(
+        pl.scan_parquet(out_file).select(pl.col(TRUNCATED_COLUMN).sum()).collect().item() or 0
+    )
     hist = Histograms(before=Histograms.count(binned, "len"), after=Histograms.count(mask.filter("_keep")))
     return metrics, hist

@@ -69,6 +69,7 @@ def test_coco_end_to_end_tall_person_filter_and_captions(tmp_path):
         "dropped_no_caption": 1,
         "dropped_missing": 1,
         "rows_out": 3,
+        "captions_truncated": 0,
         "invalid_boxes": 2,
         "invalid_captions": 1,
     }

@@ -30,7 +30,7 @@ def test_demo_diffusiondb_keeps_every_image(demo_params, run_until):
         "dropped_duplicate": 0,
     }
     df = pl.read_parquet(Path(demo_params.paths.filtered) / "diffusiondb" / "filtered.parquet")
-    assert df.columns == ["archive", "member", "caption", "meta"]
+    assert df.columns == ["archive", "member", "caption", "meta", "caption_truncated"]
     assert df["archive"].unique().to_list() == ["part-000001.zip"]
     assert df["member"].to_list() == sorted(df["member"])
     assert set(json.loads(df["meta"][0])) == {"seed", "cfg", "steps", "sampler"}
@@ -78,6 +78,7 @@ def test_diffusiondb_drop_reasons_each_counted_once(tmp_path):
         "dropped_missing": 1,
         "dropped_duplicate": 2,  # a.png again in part 2; twice.png stored twice in part 1
         "rows_out": 3,
+        "captions_truncated": 0,
     }
     kept = pl.read_parquet(tmp_path / "out" / "filtered.parquet")
     assert kept.select("archive", "member", "caption").rows() == [
@@ -164,7 +165,9 @@ def test_diffusiondb_reshard_counts_corrupt_missing_and_too_small(tmp_path):
     # a row the filter would not write (hand-edited parquet): the member is missing
     filtered = tmp_path / "filtered" / "filtered.parquet"
     rows = pl.read_parquet(filtered)
-    extra = pl.DataFrame([{"archive": "part-000001.zip", "member": "gone.png", "caption": "x", "meta": "{}"}])
+    extra = pl.DataFrame(
+        [{"archive": "part-000001.zip", "member": "gone.png", "caption": "x", "meta": "{}", "caption_truncated": False}]
+    )
     import pyarrow.parquet as pq
 
     table = pl.concat([rows, extra]).to_arrow().replace_schema_metadata(pq.read_schema(filtered).metadata)

@@ -68,6 +68,7 @@ def test_journeydb_end_to_end_prompt_captions(tmp_path):
         "dropped_no_caption": 1,
         "dropped_duplicate": 1,
         "rows_out": 5,
+        "captions_truncated": 0,
     }
     rows = pl.read_parquet(tmp_path / "work" / "filtered" / "filtered.parquet")
     assert rows.select("archive", "member").rows() == [

@@ -64,6 +64,7 @@ def test_local_txt_end_to_end(tmp_path):
         "dropped_no_score": 0,
         "dropped_low_score": 0,
         "rows_out": 5,
+        "captions_truncated": 0,
     }
     assert (fetched["samples"], fetched["successes"], fetched["failed_to_resize"], fetched["shards"]) == (5, 4, 1, 2)
     assert status_totals(out) == {"success": 4, "failed_to_resize": 1}
@@ -130,6 +131,7 @@ def test_local_json_tag_rules(tmp_path):
         "dropped_no_score": 2,
         "dropped_low_score": 1,
         "rows_out": 2,
+        "captions_truncated": 0,
     }
     rows = pl.read_parquet(tmp_path / "filtered" / "filtered.parquet")
     assert rows.select("member", "caption").rows() == [("a.jpg", "cat, masterpiece"), ("h.jpg", "one girl, smile")]

@@ -48,6 +48,7 @@ def test_vggface2_end_to_end_template_captions(tmp_path):
         "dropped_too_small": 1,
         "rows_out": 4,
         "rows_unknown_gender": 1,
+        "captions_truncated": 0,
     }
     assert (fetched["samples"], fetched["successes"]) == (4, 4)
     samples = samples_by_member(out)
