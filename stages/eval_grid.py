@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from PIL import Image
@@ -54,6 +55,7 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
     samples = sample_categories(pipe, cfg)
     categories, prompts, images = (list(x) for x in zip(*samples, strict=True))
     extra = sample_extra_sizes(pipe, cfg)
+    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own output (persist: true: DVC leaves it, dvc.yaml)
     write_images(cfg, out_dir, images, prompts, extra)
     (out_dir / STRIPS).mkdir(exist_ok=True)
     for category, texts in cfg.prompts.items():

@@ -152,8 +152,8 @@ def _commit_uncached_outs(repo, stage) -> None:
 def _push_lock_entry(repo, stage) -> int:
     """Upload ``stage``'s ``dvc.lock`` entry when the run cache cannot stand in for it; return files sent.
 
-    DVC 3.67 keeps stages with ``persist: true`` outputs (``fetch_images``, ``encode_latents``: they
-    resume after a kill) out of its run cache, so on a fresh clone without the dead pod's ``dvc.lock``
+    DVC 3.67 keeps stages with ``persist: true`` outputs (every stage whose outputs a source or phase names:
+    dvc.yaml's header says why) out of its run cache, so on a fresh clone without the dead pod's ``dvc.lock``
     nothing would tell DVC that their pushed outputs match the clone's inputs. The entry (cmd, deps,
     params and output hashes) does; :func:`_restore_lock_entry` puts it back. The newest push of a
     stage wins.

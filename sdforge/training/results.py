@@ -68,7 +68,7 @@ def export_phase(job, out_dir: Path, final_loss: float | None) -> None:
     stored copy, so the export needs no memory beyond training's (at full size on a 24 GiB CPU machine the
     stored copy alone was 3.4 GB). Afterwards the job's UNet holds the EMA weights.
     """
-    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own DVC output (DVC removes it before a run anyway)
+    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own DVC output (persist: true, dvc.yaml)
     out_dir.mkdir(parents=True)
     job.optim.release()
     gc.collect()
