@@ -16,6 +16,8 @@ from PIL import Image, UnidentifiedImageError
 
 SAFE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """PIL plugins tried (a multi-picture JPEG opens as MPO through the JPEG one)."""
+MAX_BYTES_PER_PIXEL = 8
+"""A file over ``max_image_pixels × 8`` bytes (16-bit RGBA, uncompressed) is refused unread."""
 
 
 class ImageRejected(Exception):

@@ -17,7 +17,7 @@ Statuses (the parquet's ``status`` and ``status_dict``): ``success``; ``failed_t
 file or archive missing or unreadable); ``failed_to_resize`` (zero-byte, truncated, corrupt or
 unknown image format, or any library error while decoding, resizing or encoding); ``too_large`` (header
 pixels > ``fetch.max_image_pixels``, the image once resized over that many pixels or over 65,500 px a
-side, or a file larger than :data:`~sdforge.ingest.archive_members.MAX_BYTES_PER_PIXEL` × that);
+side, or a file larger than :data:`~sdforge.bounds.images.MAX_BYTES_PER_PIXEL` × that);
 ``too_small`` (below the size rules the filter stored); ``unsafe_member`` (a path with ``..`` or absolute, a tar
 symlink/hardlink/device, a loose file resolving outside the source folder); ``duplicate`` (the same
 member twice among the rows or in the archive). Nothing is ever extracted to disk: member names are
@@ -38,9 +38,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from sdforge.bounds.images import MAX_BYTES_PER_PIXEL
 from sdforge.config import FetchSettings
 from sdforge.ingest import shards
-from sdforge.ingest.archive_members import MAX_BYTES_PER_PIXEL, MemberRejected, RandomReader, checked_file, stream_tar
+from sdforge.ingest.archive_members import MemberRejected, RandomReader, checked_file, stream_tar
 from sdforge.ingest.image_convert import convert
 from sdforge.ingest.reshard_plan import Item, ShardPlan, load_rows, plan_shards
 from sdforge.ingest.sources.images import ImageRejected

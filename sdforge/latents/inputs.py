@@ -19,7 +19,7 @@ import torch
 
 from sdforge.bounds import json_docs
 from sdforge.bounds.captions import UTF8_MAX_BYTES_PER_CHAR, cut_caption, decode_caption
-from sdforge.bounds.images import ImageRejected, check_header
+from sdforge.bounds.images import MAX_BYTES_PER_PIXEL, ImageRejected, check_header
 from sdforge.ingest.buckets import CropPlan, Size, plan
 from sdforge.ingest.ustar import (
     BLOCK,
@@ -154,26 +154,33 @@ def split_key(name: str) -> tuple[str, str]:
     return (name, "") if dot < 0 else (name[:dot], name[dot + 1 :])
 
 
-def caption_bytes(max_caption_chars: int | None) -> Callable[[str], int | None] | None:
-    """The ``keep`` of :func:`iter_tar_members` that reads a ``.txt`` member only as far as
-    ``max_caption_chars`` characters can use (one byte more, so that the cut is seen)."""
-    if max_caption_chars is None:
-        return None
-    limit = max_caption_chars * UTF8_MAX_BYTES_PER_CHAR + 1
-    return lambda name: limit if name.endswith(".txt") else None
+JSON_MEMBER_BYTES = 1 << 20
+"""A sample's ``.json`` (its original size) is read this far; a longer one fails to parse: the size is unknown."""
+
+
+def member_bounds(max_caption_chars: int | None, max_pixels: int | None = None) -> Callable[[str], int | None] | None:
+    """The ``keep`` of :func:`iter_tar_members`: a ``.txt`` member is read only as far as ``max_caption_chars``
+    characters can use, an image only to ``max_pixels × MAX_BYTES_PER_PIXEL`` (past it: ``too_large``), a
+    ``.json`` to :data:`JSON_MEMBER_BYTES` — one byte more each, so that the cut is seen."""
+    bounds = {"json": JSON_MEMBER_BYTES + 1}
+    if max_caption_chars is not None:
+        bounds["txt"] = max_caption_chars * UTF8_MAX_BYTES_PER_CHAR + 1
+    if max_pixels is not None:
+        bounds |= dict.fromkeys(IMAGE_EXTS, max_pixels * MAX_BYTES_PER_PIXEL + 1)
+    return lambda name: bounds.get(split_key(name)[1])
 
 
 def iter_tar_groups(
-    fh, counts: Counter, max_caption_chars: int | None = None
+    fh, counts: Counter, max_caption_chars: int | None = None, max_pixels: int | None = None
 ) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Stream ``(key, {ext: bytes})`` from a WebDataset tar; a repeated key is skipped, damage ends it.
 
     Both are counted (``skipped_duplicate_key``, ``tar_errors``); the sample being read when the
-    damage shows is dropped. A ``.txt`` member is read only as far as ``max_caption_chars`` can use.
+    damage shows is dropped. Members are read only as far as :func:`member_bounds` says.
     """
     key, files, seen = None, {}, set()
     try:
-        for name, data in iter_tar_members(fh, caption_bytes(max_caption_chars)):
+        for name, data in iter_tar_members(fh, member_bounds(max_caption_chars, max_pixels)):
             member_key, ext = split_key(name)
             if member_key != key:
                 if key is not None and key not in seen:
@@ -258,6 +265,8 @@ def decode_sample(
         return out
     if max_pixels is not None:
         try:
+            if len(data) > max_pixels * MAX_BYTES_PER_PIXEL:  # cut short by the tar reader (member_bounds)
+                raise ImageRejected("too_large", f"{len(data)} bytes")
             check_header(data, max_pixels)
         except ImageRejected:
             out.problem = "too_large"

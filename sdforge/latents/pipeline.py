@@ -255,7 +255,7 @@ class _BatchFeeder:
             synthetic = self.captions(tar) if self.captions else None
             with open(local, "rb", buffering=1 << 20) as raw:
                 fh = HashingReader(raw, digest)
-                for sample in iter_tar_groups(fh, counts, self.opts.max_caption_chars):
+                for sample in iter_tar_groups(fh, counts, self.opts.max_caption_chars, self.opts.max_pixels):
                     chunk.append(sample)
                     if len(chunk) == _CHUNK:
                         if not self._submit(chunk, synthetic):

@@ -24,7 +24,7 @@ from sdforge.demo.models import write_demo_tokenizer
 from sdforge.ingest.shards import tar_bytes
 from sdforge.ingest.sources.local import filter_local
 from sdforge.latents import store
-from sdforge.latents.inputs import caption_bytes, decode_chunk, iter_tar_members
+from sdforge.latents.inputs import decode_chunk, iter_tar_members, member_bounds
 from tests.fixtures.sources import RED, image_bytes
 
 REPO = Path(__file__).resolve().parents[3]
@@ -144,5 +144,5 @@ def test_caption_images_reads_a_huge_original_caption_cut_and_captions_every_ima
 def test_a_tar_reader_keeps_only_the_start_of_a_huge_txt_member_and_reads_the_next_member_whole():
     samples = [{"__key__": "0", "txt": b"a" * (20 * MB), "json": b"{}"}, {"__key__": "1", "txt": b"a red square"}]
     reader = io.BytesIO(tar_bytes(samples))
-    members = list(iter_tar_members(reader, caption_bytes(LIMIT)))
+    members = list(iter_tar_members(reader, member_bounds(LIMIT)))
     assert sorted((n, len(d)) for n, d in members) == [("0.json", 2), ("0.txt", 4 * LIMIT + 1), ("1.txt", 12)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import resource
 import zlib
+from collections import Counter
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,7 +18,7 @@ from PIL import Image
 from sdforge.bounds.images import ImageRejected, check_header
 from sdforge.captions.shards import Captioning, caption_shards
 from sdforge.ingest.shards import tar_bytes
-from sdforge.latents.inputs import decode_chunk, decode_sample
+from sdforge.latents.inputs import decode_chunk, decode_sample, iter_tar_groups
 from tests.fixtures.sources import RED, image_bytes, png_header
 
 MAX_PIXELS = 89_478_485  # fetch.max_image_pixels' default
@@ -77,3 +78,15 @@ def test_caption_images_skips_a_bomb_and_a_thin_image_and_captions_the_rest(tmp_
     assert asked == [(40, 40, 3)] and stats.rejected == {"too_large": 2}
     assert [(r["rejected"], r["synthetic_caption"]) for r in rows] == [
         ("too_large", "bomb"), (None, "a red square"), ("too_large", "thin")]  # fmt: skip
+
+
+def test_encode_reads_an_image_member_larger_than_any_allowed_image_only_to_its_bound():
+    """Issue 39, case 6: a tar member bigger than ``max_pixels × 8`` bytes is kept only to that bound (the rest is
+    read through, never held) and the sample is ``too_large``; the member after it is read whole."""
+    max_pixels = 64 * 64
+    samples = [{"__key__": "0", "png": b"\x89PNG" + bytes(200 << 20), "txt": "huge"},
+               {"__key__": "1", "png": image_bytes(40, 40, RED, "PNG"), "txt": "good"}]  # fmt: skip
+    groups = list(iter_tar_groups(io.BytesIO(tar_bytes(samples)), Counter(), 4096, max_pixels))
+    assert [(k, len(f["png"])) for k, f in groups] == [("0", max_pixels * 8 + 1), ("1", len(samples[1]["png"]))]
+    out = decode_chunk(groups, [(32, 32)], "resize", None, max_pixels)
+    assert [s.problem for s in out] == ["too_large", None]
