@@ -71,6 +71,7 @@ $(STAMP): pyproject.toml
 # (a killed `dvc` alone would orphan the running stage).
 demo: venv
 	@[ -d .dvc ] || dvc init -q
+	@$(PY) -m tools.check_params params.yaml   # before DVC parses it (docs/INPUTS.md)
 	@start=$$(date +%s); \
 	setsid dvc repro & pid=$$!; \
 	trap 'echo "stopping pipeline (process group $$pid)"; kill -TERM -- -$$pid 2>/dev/null; wait $$pid' INT TERM; \

@@ -22,6 +22,7 @@ from sdforge.io import InputError, setup_logging, write_json
 from sdforge.training.run_dir import STALE_NOTE, remove_stale, stale_runs
 from stages import report as report_stage
 from stages.report import REPORT
+from tools.check_params import check as check_params
 from tools.preflight import add_arguments as add_preflight_arguments
 from tools.preflight import preflight
 
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--yes", action="store_true", help="clean: really delete")
     runs.add_argument("--params", default="params.yaml")
     runs.set_defaults(func=_runs)
+    chk = sub.add_parser("check", help="validate params.yaml (size, aliases, names) before a bare `dvc repro`")
+    chk.add_argument("--params", default="params.yaml")
+    chk.set_defaults(func=lambda args: check_params(args.params))
     pre = sub.add_parser("preflight", help="run the full configuration's whole DAG on a small sample; forecast the run")
     add_preflight_arguments(pre)
     pre.set_defaults(func=preflight)

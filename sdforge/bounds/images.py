@@ -17,6 +17,9 @@ from PIL import Image, UnidentifiedImageError
 SAFE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """PIL plugins tried (a multi-picture JPEG opens as MPO through the JPEG one)."""
 MAX_BYTES_PER_PIXEL = 8
+DEFAULT_MAX_PIXELS = 89_478_485
+"""PIL's own bomb limit, ``fetch.max_image_pixels``' default: the bound where no source names one (eval's
+reference images)."""
 """A file over ``max_image_pixels × 8`` bytes (16-bit RGBA, uncompressed) is refused unread."""
 
 
@@ -71,3 +74,14 @@ def check_size(size: tuple[int, int], max_pixels: int, min_width: int | None, mi
         raise ImageRejected("too_small", f"{w}x{h} is below the minimum {min_width}x{min_height}")
 
 
+
+
+def open_bounded(fp: BinaryIO | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The image in ``fp`` (a path or a binary stream), decoded to RGB, its header checked against ``max_pixels``
+    first; or :class:`ImageRejected` (``too_large``, ``failed_to_resize``)."""
+    with own_pixel_limit(), open_header(fp) as img:
+        check_size(img.size, max_pixels, None, None)
+        try:
+            return img.convert("RGB")
+        except (OSError, ValueError, SyntaxError, EOFError) as err:
+            raise ImageRejected("failed_to_resize", f"not a readable image ({type(err).__name__}: {err})") from None

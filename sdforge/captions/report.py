@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.bounds.images import DEFAULT_MAX_PIXELS, ImageRejected, open_bounded
 from sdforge.captions.shards import IMAGE_EXTS
 from sdforge.ingest.shards import read_tar
 
@@ -46,27 +47,27 @@ def caption_summary(out_dir: Path, max_tokens: int) -> dict:
     }
 
 
-def sample_table(out_dir: Path, shards_dir: Path, n: int) -> dict[str, list]:
+def sample_table(out_dir: Path, shards_dir: Path, n: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict[str, list]:
     """``n`` rows spread evenly over the source (same rows every run), with their images (PIL: MLflow stores
-    them with the table) and both captions."""
+    them with the table; a header over ``max_pixels`` is not decoded) and both captions."""
     table = read_all(out_dir)
     picks = sorted(set(np.linspace(0, table.num_rows - 1, min(n, table.num_rows)).astype(int).tolist()))
     rows = [table.slice(i, 1).to_pylist()[0] for i in picks]
     out: dict[str, list] = {c: [r[c] for r in rows] for c in (*TABLE_COLUMNS, "shard")}
     tars = {shard: read_tar(shards_dir / f"{shard}.tar") for shard in {r["shard"] for r in rows}}
-    out["image"] = [_to_image(tars[r["shard"]].get(r["key"], {})) for r in rows]
+    out["image"] = [_to_image(tars[r["shard"]].get(r["key"], {}), max_pixels) for r in rows]
     return out
 
 
-def _to_image(sample: dict[str, bytes]):
-    """The sample's image (RGB PIL), or a 1×1 grey placeholder for a missing or unreadable one."""
+def _to_image(sample: dict[str, bytes], max_pixels: int = DEFAULT_MAX_PIXELS):
+    """The sample's image (RGB PIL), or a 1×1 grey placeholder for a missing, unreadable or too large one."""
     # lazy: PIL only for the table's images
     from PIL import Image
 
     data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
     try:
-        return Image.open(io.BytesIO(data)).convert("RGB") if data else Image.new("RGB", (1, 1), 128)
-    except OSError:
+        return open_bounded(io.BytesIO(data), max_pixels) if data else Image.new("RGB", (1, 1), 128)
+    except ImageRejected:
         return Image.new("RGB", (1, 1), 128)
 
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from sdforge.bounds.images import ImageRejected, open_bounded
+
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -49,10 +51,19 @@ def clip_scores(
     return scores
 
 
-def load_images(folder: str | Path, limit: int) -> list[np.ndarray]:
-    """Up to ``limit`` RGB uint8 images from ``folder`` (recursively, sorted by path)."""
+def load_images(folder: str | Path, limit: int) -> tuple[list[np.ndarray], int]:
+    """Up to ``limit`` RGB uint8 images from ``folder`` (recursively, sorted by path), each header checked against
+    PIL's bomb limit before it is decoded (:func:`~sdforge.bounds.images.open_bounded`); and how many files were
+    skipped (too large or unreadable: logged, counted)."""
     files = sorted(f for f in Path(folder).rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES)[:limit]
-    return [np.asarray(Image.open(f).convert("RGB")) for f in files]
+    images, skipped = [], 0
+    for f in files:
+        try:
+            images.append(np.asarray(open_bounded(f)))
+        except ImageRejected as err:
+            log.warning("%s: skipped (%s: %s)", f, err.status, err.message)
+            skipped += 1
+    return images, skipped
 
 
 @torch.no_grad()
@@ -85,12 +96,12 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
 
 def fid(images: list[np.ndarray], inception_path: str | Path, reference_dir: str | Path, max_reference: int) -> dict:
     """FID of ``images`` against the images under ``reference_dir``; ``{"fid", "fid_reference_images"}``."""
-    reference = load_images(reference_dir, max_reference)
+    reference, skipped = load_images(reference_dir, max_reference)
     if len(reference) < 2:
         raise ValueError(f"eval.fid.reference_dir {reference_dir}: needs at least 2 images; found {len(reference)}")
     model = torch.jit.load(str(inception_path), map_location="cpu").eval()
     value = frechet_distance(inception_features(model, images), inception_features(model, reference))
-    return {"fid": round(value, 4), "fid_reference_images": len(reference)}
+    return {"fid": round(value, 4), "fid_reference_images": len(reference), "fid_reference_skipped": skipped}
 
 
 def _skip(metric: str, key: str, why: str) -> dict:

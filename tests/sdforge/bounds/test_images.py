@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from sdforge.bounds.images import ImageRejected, check_header
+from sdforge.captions.report import _to_image
 from sdforge.captions.shards import Captioning, caption_shards
 from sdforge.ingest.shards import tar_bytes
 from sdforge.latents.inputs import decode_chunk, decode_sample, iter_tar_groups
@@ -90,3 +91,11 @@ def test_encode_reads_an_image_member_larger_than_any_allowed_image_only_to_its_
     assert [(k, len(f["png"])) for k, f in groups] == [("0", max_pixels * 8 + 1), ("1", len(samples[1]["png"]))]
     out = decode_chunk(groups, [(32, 32)], "resize", None, max_pixels)
     assert [s.problem for s in out] == ["too_large", None]
+
+
+def test_the_mlflow_caption_table_shows_a_placeholder_for_a_bomb_not_a_traceback():
+    """The recaption stage's MLflow sample table decodes shard images too: a header over the bound is not
+    decoded (PIL itself raises DecompressionBombError, not an OSError, at twice its default)."""
+    bomb = _to_image({"png": BOMB})
+    good = _to_image({"png": image_bytes(40, 40, RED, "PNG")})
+    assert (bomb.size, good.size, good.getpixel((0, 0))) == ((1, 1), (40, 40), RED)

@@ -3,6 +3,8 @@ TorchScript feature extractor in the NVlabs Inception calling convention."""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from PIL import Image
 
 from sdforge.eval.metrics import clip_scores, frechet_distance, image_metrics, inception_features
 from tests.fixtures.eval_workspace import write_tokenizer
+from tests.fixtures.sources import png_header
 
 
 class ChannelMeans(torch.nn.Module):
@@ -45,7 +48,7 @@ def test_fid_is_zero_against_itself_and_the_mean_shift_against_a_shifted_set(inc
     shifted = _images(32, seed=0, shift=30)
     got = image_metrics(shifted, ["x"] * 32, ["c"] * 32, None, str(inception_file), str(ref), 100)
     assert got["fid"] == pytest.approx(3 * (30 / 255) ** 2, rel=1e-3)
-    assert got["fid_reference_images"] == 32
+    assert (got["fid_reference_images"], got["fid_reference_skipped"]) == (32, 0)
     same = image_metrics(images, ["x"] * 32, ["c"] * 32, None, str(inception_file), str(ref), 100)
     assert same["fid"] == pytest.approx(0.0, abs=1e-6)
 
@@ -105,3 +108,17 @@ def test_clip_score_is_higher_for_matching_captions(tiny_clip):
     got = image_metrics(images, [RED, BLUE], ["shapes", "shapes"], str(tiny_clip), None, None, 10)
     assert got["clip_score"] == pytest.approx(np.mean(matching), abs=1e-3)
     assert got["clip_score_shapes"] == got["clip_score"]
+
+
+def test_a_bomb_and_an_unreadable_file_among_the_reference_images_are_skipped_and_counted(inception_file, tmp_path):
+    """Issue 39: every image decode applies the pixel bound from the header first (here PIL's default, as
+    ``fetch.max_image_pixels``): a PNG declaring 30000×30000 is not decoded, a broken file not a traceback."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    for i, img in enumerate(_images(8, seed=0)):
+        Image.fromarray(img).save(ref / f"{i:03d}.png")
+    (ref / "bomb.png").write_bytes(png_header(30_000, 30_000, idat=zlib.compress(b"\0" * 30_001 * 64)))
+    (ref / "broken.png").write_bytes(b"\x89PNG not really")
+    got = image_metrics(_images(8, seed=0), ["x"] * 8, ["c"] * 8, None, str(inception_file), str(ref), 100)
+    assert (got["fid_reference_images"], got["fid_reference_skipped"]) == (8, 2)
+    assert got["fid"] == pytest.approx(0.0, abs=1e-6)
