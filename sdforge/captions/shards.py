@@ -100,7 +100,10 @@ def _decode(data: bytes, max_pixels: int | None) -> tuple[np.ndarray | None, str
             check_header(data, max_pixels)
         except ImageRejected:
             return None, TOO_LARGE
-    image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    try:
+        image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    except cv2.error:  # an empty buffer, among others
+        image = None
     if image is None or image.size == 0:
         return None, UNREADABLE
     if max(image.shape[:2]) > MAX_SIDE:

@@ -170,7 +170,10 @@ def read_yaml_bounded(path: Path) -> dict:
     if size > limit:
         raise ConfigError(f"{path}: {size:,} bytes, more than a params file may hold ({limit:,}; "
                           "SDFORGE_MAX_PARAMS_BYTES raises it)")  # fmt: skip
-    loader = yaml.SafeLoader(path.read_bytes())
+    try:
+        loader = yaml.SafeLoader(path.read_bytes())  # its reader refuses control characters here already
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {first_line(str(err))}") from None
     try:
         node = loader.get_single_node()
         if node is None:
