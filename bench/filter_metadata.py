@@ -174,7 +174,7 @@ def dataset(rows: int) -> Path:
 def run_ours(data: Path, out: Path) -> int:
     """The stage itself, as DVC runs it minus MLflow; returns rows out."""
     source = Source(kind="laion", repo=str(data), filter=FilterRules(**RULES))
-    return filter_metadata.run(source, "laion", data, out, tracking=None)["rows_out"]
+    return filter_metadata.run(source, "laion", data, out)["rows_out"]
 
 
 COLUMNS = {  # configured (LAION) name → normalised name, as sdforge.config.Columns
