@@ -93,7 +93,7 @@ lint: venv
 	ruff check .
 
 test: venv lint
-	pytest
+	pytest --durations=25   # the 25 slowest tests, printed at the end (issue 40: where the time goes)
 
 test-all: venv lint
 	pytest -m 'not gpu'
