@@ -57,12 +57,25 @@ def _canaries(repo: Path) -> list[Path]:
     return [*placed, repo / "dvc.yaml", repo / "stages" / "train.py"]
 
 
-STAGES = ["download_metadata", "filter_metadata", "fetch_images", "caption_images", "encode_latents"]
-PHASE_STAGES = ["mix_phase", "train", "eval_grid"]
+DVC_STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+KEYED = sorted(name for name, stage in DVC_STAGES.items() if "foreach" in stage)
+
+
+def test_every_output_a_name_reaches_is_persistent():
+    """The rule the test below checks by running DVC, for every keyed output of every stage, present and future."""
+    loose = []
+    for name in KEYED:
+        body = DVC_STAGES[name]["do"]
+        for section in ("outs", "metrics", "plots"):
+            for entry in body.get(section, []):
+                path, opts = (entry, {}) if isinstance(entry, str) else next(iter(entry.items()))
+                if "${key}" in path and not (opts or {}).get("persist"):
+                    loose.append(f"{name}: {section} {path}")
+    assert len(KEYED) == 8 and loose == []
 
 
 @pytest.mark.parametrize("bad", BAD_NAMES)
-@pytest.mark.parametrize("stage", STAGES + PHASE_STAGES)
+@pytest.mark.parametrize("stage", KEYED)
 def test_dvc_repro_single_item_with_a_hostile_name_deletes_nothing(project, stage, bad):
     canaries = _canaries(project)
     env = {**os.environ, "PYTHONPATH": str(project)}
