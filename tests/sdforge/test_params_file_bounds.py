@@ -10,18 +10,9 @@ import pytest
 import yaml
 
 from sdforge.config import ConfigError, load_params, read_yaml_bounded
+from tests.fixtures.params_bombs import alias_bomb
 
 REPO = Path(__file__).resolve().parents[2]
-LOL = ", ".join(["lol"] * 9)
-
-
-def alias_bomb(levels: int = 9) -> str:
-    """The billion-laughs document: each level lists the one before nine times (9**levels strings)."""
-    lines = [f"a0: &a0 [{LOL}]"]
-    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
-    return "\n".join(lines) + "\n"
-
-
 def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(alias_bomb())

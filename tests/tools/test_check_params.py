@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.sdforge.test_params_file_bounds import alias_bomb
+from tests.fixtures.params_bombs import alias_bomb
 from tools.check_params import check
 
 REPO = Path(__file__).resolve().parents[2]

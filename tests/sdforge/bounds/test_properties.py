@@ -30,6 +30,7 @@ from sdforge.ingest.shards import tar_bytes
 from sdforge.ingest.sources import coco, diffusiondb, journeydb, local
 from sdforge.io import InputError
 from sdforge.latents.inputs import decode_sample, iter_tar_groups
+from tests.fixtures.params_bombs import alias_bomb
 from tests.fixtures.sources import RED, image_bytes
 
 EXAMPLES = 150
@@ -204,10 +205,7 @@ def test_a_caption_of_any_bytes_is_cut_to_its_bound(data, limit, memory_ceiling)
 def hostile_yaml(draw) -> str:
     kind = draw(st.sampled_from(["aliases", "deep", "random", "mistyped"]))
     if kind == "aliases":
-        levels = draw(st.integers(3, 12))
-        lines = ["a0: &a0 [" + ", ".join(["x"] * 9) + "]"]
-        lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
-        return "\n".join(lines) + "\n"
+        return alias_bomb(draw(st.integers(3, 12)))
     if kind == "deep":
         depth = draw(st.integers(10, 5_000))
         return "a: " + "[" * depth + "]" * draw(st.sampled_from([0, depth]))
