@@ -9,12 +9,14 @@ one process, so a test can only raise the peak it finds). Example counts: :data:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import resource
 import tempfile
 import zipfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,15 @@ def test_a_local_tag_file_is_tags_or_a_counted_drop(text, memory_ceiling):
         assert all(isinstance(t, str) for t in tags)
 
 
+@contextlib.contextmanager
+def _file_holding(name: str, data: bytes) -> Iterator[Path]:
+    """A temporary file ``name`` holding ``data`` (hypothesis runs many examples per test: no ``tmp_path``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        path.write_bytes(data)
+        yield path
+
+
 def _diffusiondb_parts(root: Path, mapping: bytes) -> None:
     """``part-000001.zip`` with an image and the hostile JSON mapping; ``part-000002.zip`` good."""
     for part, text in ((1, mapping), (2, json.dumps({"good.png": {"p": "a red square"}}).encode())):
@@ -148,9 +159,7 @@ def test_a_hostile_diffusiondb_mapping_costs_its_part_at_most_and_the_good_part_
 @given(document=hostile_json())
 def test_a_hostile_coco_file_is_rows_or_an_error_naming_the_file(document, memory_ceiling):
     RAN["test_a_hostile_coco_file_is_rows_or_an_error_naming_the_file"] += 1
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "instances_val2017.json"
-        path.write_bytes(document)
+    with _file_holding("instances_val2017.json", document) as path:
         try:
             coco._load(path, LIMITS)
         except InputError as err:
@@ -219,9 +228,7 @@ def hostile_yaml(draw) -> str:
 @example(text="\x1f")  # found by this test: the YAML reader raised outside the ConfigError net
 def test_a_hostile_params_file_is_a_mapping_or_a_config_error(text, memory_ceiling):
     RAN["test_a_hostile_params_file_is_a_mapping_or_a_config_error"] += 1
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "params.yaml"
-        path.write_text(text)
+    with _file_holding("params.yaml", text.encode()) as path:
         try:
             read_yaml_bounded(path)
         except ConfigError as err:
