@@ -3,6 +3,7 @@ training workspace's phase 1 trained straight through (the reference every resum
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sdforge.config import Params, load_params
 from tests.fixtures import demo_data, training
@@ -26,6 +28,16 @@ class MotoS3:
 
     def url(self, prefix: str = "") -> str:
         return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in this process and, through ``OMP_NUM_THREADS``, in every process a test starts (stages,
+    ``dvc repro``, torchrun ranks), unless the environment sets another count. The tests' models are tiny, and on a
+    2-core machine a 2-thread process beside another busy one spins in OpenMP's barriers: the tiny workspace's
+    6-step train took ~60-90 s that way and ~5 s on one thread. Every run of a test (reference and resumed alike)
+    gets the same count, so the bit-identity checks compare like with like."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
