@@ -50,6 +50,13 @@ def straight_phase1(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def fresh_workspace(straight_phase1: Path, tmp_path: Path) -> Path:
+    """A tiny training workspace in ``tmp_path`` as ``training.build_workspace`` leaves it (models, latents, mixes;
+    nothing trained), copied from the shared one instead of rebuilt; its params file."""
+    return training.untrained_clone(straight_phase1, tmp_path)
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """A ``moto`` S3 server (``ThreadedMotoServer``) on a free 127.0.0.1 port; yields its endpoint URL."""

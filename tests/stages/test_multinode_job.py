@@ -28,7 +28,7 @@ import yaml
 from sdforge.cluster.manifests import HF_HOME, PARAMS_DIR, training_job
 from sdforge.training.exits import PREEMPTED
 from sdforge.training.launch import NODE_RANK_ENV
-from tests.fixtures.training import DDP_MAX_ABS_DIFF, REPO, build_workspace, run_node_agents, train, weights
+from tests.fixtures.training import DDP_MAX_ABS_DIFF, REPO, run_node_agents, untrained_clone, weights
 
 
 def _free_port() -> int:
@@ -62,21 +62,18 @@ def _job_pods(root, params_file):
 
 
 @pytest.fixture(scope="module")
-def two_pods(tmp_path_factory):
+def two_pods(tmp_path_factory, straight_phase1):
     """phase1 trained, uninterrupted, by the job's two pods; the workspace root."""
     root = tmp_path_factory.mktemp("two-pods")
-    ended = run_node_agents(_job_pods(root, build_workspace(root)), root)
+    ended = run_node_agents(_job_pods(root, untrained_clone(straight_phase1, root)), root)
     outputs = [out for _, out in ended]
     assert [rc for rc, _ in ended] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "--nnodes 2 --node_rank 0" in outputs[0] and "--nnodes 2 --node_rank 1" in outputs[1]
     return root
 
 
-def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(two_pods, tmp_path_factory):
-    root = two_pods
-    one_root = tmp_path_factory.mktemp("one-process")
-    done = train(build_workspace(one_root), "phase1")
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(two_pods, straight_phase1):
+    root, one_root = two_pods, straight_phase1  # the shared one-process run: batch 8 × accumulation 2 = 16
     two_metrics = json.loads((root / "metrics/train/phase1.json").read_text())
     one_metrics = json.loads((one_root / "metrics/train/phase1.json").read_text())
     assert two_metrics["world_size"] == 2 and one_metrics["world_size"] == 1
@@ -100,11 +97,13 @@ def _terminate_pod_after_steps(agents: list[subprocess.Popen], steps_file: Path,
     raise AssertionError(f"rank 0 never logged {steps} steps")
 
 
-def test_sigterm_to_one_pod_checkpoints_every_pod_and_the_rerun_resumes_bit_identically(two_pods, tmp_path):
+def test_sigterm_to_one_pod_checkpoints_every_pod_and_the_rerun_resumes_bit_identically(
+    two_pods, fresh_workspace, tmp_path
+):
     """A pod deleted (or a spot node reclaimed) gets SIGTERM: its launcher forwards it to torchrun, the ranks of
     both pods agree to stop at the next step boundary, write one checkpoint and exit 75 — the status the job
     runner hands to the flow's retry — and the rerun of both pods resumes and ends bit-identical."""
-    workspace = build_workspace(tmp_path)
+    workspace = fresh_workspace
     pods = _job_pods(tmp_path, workspace)
     agents = [
         subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True, text=True,

@@ -116,14 +116,13 @@ def test_uncond_embedding_is_the_empty_prompt_encoded_once(built):
     assert saved["uncond"].dtype == torch.float32 and torch.equal(saved["uncond"], expected)
 
 
-def test_trainer_reads_the_uncond_file_and_falls_back_without_it(tmp_path):
+def test_trainer_reads_the_uncond_file_and_falls_back_without_it(fresh_workspace):
     from safetensors.torch import save_file
 
     from sdforge.config import load_params
     from sdforge.training.conditioning import Conditioning
-    from tests.fixtures.training import build_workspace
 
-    params = load_params(build_workspace(tmp_path))
+    params = load_params(fresh_workspace)
     path = Path(params.paths.models) / prepare_models.UNCOND_EMBEDDING
     computed = load_file(path)["uncond"]
     marker = torch.full_like(computed, 0.25)

@@ -20,7 +20,7 @@ import yaml
 from model.diffusion import lr_at
 from sdforge.training.exits import HUNG, PREEMPTED
 from sdforge.training.reporting import read_steps
-from tests.fixtures.training import REPO, build_workspace, train, weights
+from tests.fixtures.training import REPO, train, weights
 
 MAX_ABS_DIFF = 1e-5
 """As tests/sdforge/training/test_ddp.py: after a world-size change only float32 summation order differs."""
@@ -79,8 +79,8 @@ def _train_runs(root: Path) -> list:
     return client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'", order_by=["attributes.start_time"])
 
 
-def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identically(straight, tmp_path):
-    params = build_workspace(tmp_path)
+def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identically(straight, fresh_workspace, tmp_path):
+    params = fresh_workspace
     stopped = train(params, "phase1", env={"SDFORGE_TERM_AT_STEP": "4"})  # SIGTERM arrives between steps 4 and 5
     assert stopped.returncode == PREEMPTED, stopped.stderr[-3000:]
     assert "preempted at step 5: checkpoint checkpoint-00000005" in stopped.stderr
@@ -97,8 +97,8 @@ def test_sigterm_checkpoints_at_the_next_step_boundary_and_resumes_bit_identical
     assert preempted.data.tags["sdforge.end_reason"].startswith("Preempted: preempted at step 5: checkpoint")
 
 
-def test_a_checkpoint_that_cannot_fit_the_grace_is_not_written(tmp_path):
-    params = build_workspace(tmp_path)
+def test_a_checkpoint_that_cannot_fit_the_grace_is_not_written(fresh_workspace, tmp_path):
+    params = fresh_workspace
     _set(params, preempt_grace_s=1e-6)
     stopped = train(params, "phase1", env={"SDFORGE_TERM_AT_STEP": "1"})
     assert stopped.returncode == PREEMPTED
@@ -107,10 +107,10 @@ def test_a_checkpoint_that_cannot_fit_the_grace_is_not_written(tmp_path):
     assert not list((tmp_path / "runs/phase1").glob("checkpoint-*"))  # the first save was due at step 2
 
 
-def test_sigterm_to_exit_seconds(tmp_path):
+def test_sigterm_to_exit_seconds(fresh_workspace, tmp_path):
     """A real SIGTERM from outside: the stage exits with the preemption status; the seconds are printed
     (measured, not asserted)."""
-    params = build_workspace(tmp_path)
+    params = fresh_workspace
     env = {**os.environ, "SDFORGE_PROGRESS": "0", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "stages.train", "--params", str(params), "--item", "phase1"],
@@ -127,9 +127,9 @@ def test_sigterm_to_exit_seconds(tmp_path):
     assert proc.returncode == PREEMPTED, err[-3000:]
 
 
-def _kill_then_resume(root: Path, first: int, then: int, kill_at: int, accum: int = 2):
-    """Global batch 16 on ``first`` ranks (batch 8 × ``accum`` // first per rank), killed, resumed on ``then``."""
-    params = build_workspace(root)
+def _kill_then_resume(params: Path, first: int, then: int, kill_at: int, accum: int = 2):
+    """Global batch 16 on ``first`` ranks (batch 8 × ``accum`` // first per rank) in the workspace of ``params``,
+    killed, resumed on ``then``."""
     data = yaml.safe_load(params.read_text())
     data["phases"]["phase1"].update(batch_size=16 // (first * accum), grad_accum=accum)
     params.write_text(yaml.safe_dump(data))
@@ -141,25 +141,27 @@ def _kill_then_resume(root: Path, first: int, then: int, kill_at: int, accum: in
 
 
 @pytest.mark.parametrize(("first", "then", "kill_at", "accum"), [(2, 1, 4, 2), (1, 2, 3, 4)])
-def test_resume_on_another_world_size_trains_every_sample_exactly_once(straight, tmp_path, first, then, kill_at, accum):
+def test_resume_on_another_world_size_trains_every_sample_exactly_once(
+    straight, fresh_workspace, tmp_path, first, then, kill_at, accum
+):
     """2 → 1 and 1 → 2 ranks (gloo): the global batch (16) is kept, the ledger is exactly-once, and the weights
     agree with the uninterrupted one-process run to the DDP tolerance (~30 s each with torchrun)."""
-    resumed = _kill_then_resume(tmp_path, first, then, kill_at, accum)
+    resumed = _kill_then_resume(fresh_workspace, first, then, kill_at, accum)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming a checkpoint of {first} rank(s) on {then}: global batch 16 kept" in resumed.stderr
     _assert_exactly_once(tmp_path)
     print(f"{first} → {then} ranks: max |Δ weight| vs straight = {_same_weights(straight, tmp_path, MAX_ABS_DIFF):.3g}")
 
 
-def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(tmp_path):
-    resumed = _kill_then_resume(tmp_path, 1, 3, kill_at=3)
+def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(fresh_workspace):
+    resumed = _kill_then_resume(fresh_workspace, 1, 3, kill_at=3)
     assert resumed.returncode != 0  # every rank exits 2 with the message; torchrun reports 1
     assert "global batch is 16 samples per optimizer step, which 3 ranks cannot share evenly" in resumed.stderr
     assert "phases.phase1.batch_size" in resumed.stderr and "train.nproc_per_node" in resumed.stderr
 
 
-def test_a_rank_planning_other_batches_is_caught_before_step_0(tmp_path):
-    params = build_workspace(tmp_path)
+def test_a_rank_planning_other_batches_is_caught_before_step_0(fresh_workspace, tmp_path):
+    params = fresh_workspace
     _set(params, nproc_per_node=2)
     done = train(params, "phase1", env={"SDFORGE_FAULT_EXTRA_BATCH_RANK": "1"})
     assert done.returncode != 0
@@ -169,8 +171,8 @@ def test_a_rank_planning_other_batches_is_caught_before_step_0(tmp_path):
     assert not steps.is_file() or not steps.read_text()  # no step was trained
 
 
-def test_a_stuck_rank_trips_the_watchdog_with_stacks_in_the_log(tmp_path):
-    params = build_workspace(tmp_path)
+def test_a_stuck_rank_trips_the_watchdog_with_stacks_in_the_log(fresh_workspace, tmp_path):
+    params = fresh_workspace
     data = yaml.safe_load(params.read_text())
     data["phases"]["phase1"]["batch_size"] = 4  # 2 ranks × 4 × accum 2: 3 steps per epoch, step 1 saves nothing
     params.write_text(yaml.safe_dump(data))
@@ -241,10 +243,12 @@ def _disagreeing_rank(rank: int, port: int, queue) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size(straight, tmp_path):
+def test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size(
+    straight, fresh_workspace, tmp_path
+):
     """2 ranks × 4 × accum 2 (global 16), SIGKILLed at step 1 (no checkpoint yet), rerun on 1 process: the run dir's
     record keeps 16 (one process would otherwise start with 4 × 2 = 8), so it trains like the reference."""
-    resumed = _kill_then_resume(tmp_path, 2, 1, kill_at=1)
+    resumed = _kill_then_resume(fresh_workspace, 2, 1, kill_at=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "started with global batch 16: keeping it on 1 rank(s)" in resumed.stderr
     assert _metrics(tmp_path)["global_batch"] == 16

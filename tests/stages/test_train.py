@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from sdforge.io import InputError
 from sdforge.training.reporting import read_steps
-from tests.fixtures.training import TRAIN_UNET, build_workspace, clone_workspace, train, untrained_clone, weights
+from tests.fixtures.training import TRAIN_UNET, clone_workspace, train, untrained_clone, weights
 
 # Checkpoints of the tiny run (3 optimizer steps per epoch, save_steps 2): steps 2, 3 (epoch end), 4, 6.
 # A SIGKILL right after step k resumes from the newest checkpoint before it (k=4: the one at 4).
@@ -33,7 +33,7 @@ edit once deleted the run dir and started the phase afresh)."""
 def runs(tmp_path_factory, straight_phase1):
     straight = straight_phase1
     killed = tmp_path_factory.mktemp("killed")
-    p_killed = build_workspace(killed)
+    p_killed = untrained_clone(straight, killed)
     died = train(p_killed, "phase1", kill_at=KILL_AT)  # a random step after the first checkpoint
     data = yaml.safe_load(p_killed.read_text())
     data["train"].update(BOOKKEEPING)
@@ -148,12 +148,12 @@ def test_architecture_mismatch_is_a_clear_error(runs):
         load_init_unet(runs[0] / "checkpoints/phase1", "ema", spec)
 
 
-def test_validation_images_are_logged_and_do_not_change_training(runs, tmp_path):
+def test_validation_images_are_logged_and_do_not_change_training(runs, fresh_workspace, tmp_path):
     """``train.validation_every`` logs an EMA-sampled grid per due step; the weights equal a run without it."""
     import mlflow
 
     straight = runs[0]
-    params_file = build_workspace(tmp_path)
+    params_file = fresh_workspace
     data = yaml.safe_load(params_file.read_text())
     data["train"].update(validation_every=2, validation_prompts=3)
     data["eval"]["steps"] = 2

@@ -20,7 +20,15 @@ from sdforge.io import write_json
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
 from stages import train as train_stage
 from tests.fixtures.toy_job import CrashAfter
-from tests.fixtures.training import DDP_MAX_ABS_DIFF, SAMPLES, build_workspace, clone_workspace, train, weights
+from tests.fixtures.training import (
+    DDP_MAX_ABS_DIFF,
+    SAMPLES,
+    build_workspace,
+    clone_workspace,
+    edit_params,
+    train,
+    weights,
+)
 
 SHARE = 0.5
 
@@ -31,9 +39,10 @@ def runs(tmp_path_factory):
     mp.setenv("SDFORGE_PROGRESS", "0")
     roots = {name: tmp_path_factory.mktemp(name) for name in ("straight", "killed", "originals", "two_ranks")}
     base = build_workspace(roots["straight"], SHARE).parent
-    files = {name: clone_workspace(base, roots[name]) for name in ("killed", "two_ranks")}
+    files = {name: clone_workspace(base, roots[name]) for name in ("killed", "two_ranks", "originals")}
     files["straight"] = base / "params.yaml"
-    files["originals"] = build_workspace(roots["originals"], 0.0)
+    for phase in ("phase1", "phase2"):  # the same store (synthetic ids too), every sample with its original caption
+        edit_params(files["originals"], f"phases.{phase}", caption_mix={"original": 1.0, "synthetic": 0.0})
     data = yaml.safe_load(files["two_ranks"].read_text())
     data["train"]["nproc_per_node"] = 2
     data["phases"]["phase1"]["batch_size"] = 4  # 4 × accumulation 2 × 2 ranks: the same global batch 16

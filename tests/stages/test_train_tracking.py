@@ -13,14 +13,14 @@ from safetensors.torch import save_file
 
 from sdforge.config import parse_params
 from sdforge.io import InputError
-from tests.fixtures.training import build_workspace
+from tests.fixtures.training import untrained_clone
 
 LOADER_DELAY_S = 0.05
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    return build_workspace(tmp_path_factory.mktemp("tracking"))
+def workspace(tmp_path_factory, straight_phase1) -> Path:
+    return untrained_clone(straight_phase1, tmp_path_factory.mktemp("tracking"))
 
 
 def _params(params_file: Path, **phase1):

@@ -19,7 +19,7 @@ from sdforge.io import InputError
 from sdforge.training.checkpoints import CheckpointError
 from sdforge.training.resume import ResumeError, restore_newest
 from tests.fixtures.checkpoints import save
-from tests.fixtures.training import build_workspace, train
+from tests.fixtures.training import train, untrained_clone
 
 UNPICKLABLE = Path("/not/a/tensor")  # a global outside torch's weights_only allowlist
 
@@ -132,10 +132,10 @@ def test_a_failure_on_one_rank_moves_every_rank_to_the_previous_checkpoint(tmp_p
 
 # -- the train stage ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
+def killed_run(tmp_path_factory, straight_phase1):
     """phase1 of the tiny workspace SIGKILLed after step 5: checkpoints 3 and 4 are left in ``runs/phase1``."""
     root = tmp_path_factory.mktemp("resume")
-    params = build_workspace(root)
+    params = untrained_clone(straight_phase1, root)
     assert train(params, "phase1", kill_at=5).returncode == -9
     return root, params
 

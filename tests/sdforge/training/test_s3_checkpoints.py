@@ -151,11 +151,11 @@ def test_background_uploads_mirror_retention(moto_s3, tmp_path):
 
 # -- end to end: the train stage on a "fresh pod" ------------------------------------------------
 def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch, straight_phase1):
-    from tests.fixtures.training import build_workspace, train, weights
+    from tests.fixtures.training import train, untrained_clone, weights
 
     straight, pod = straight_phase1, tmp_path / "pod"
     pod.mkdir()
-    p_pod = build_workspace(pod)
+    p_pod = untrained_clone(straight, pod)
     data = yaml.safe_load(p_pod.read_text())
     data["train"]["checkpoint_s3"] = moto_s3.url("ckpts")
     p_pod.write_text(yaml.safe_dump(data))
