@@ -8,13 +8,12 @@ Nothing runs in a cluster here (no Kubernetes API): the worker is not started.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from prefect.client.orchestration import get_client
 
 from sdforge.cluster.work_pool import pool_defaults
 from sdforge.config import parse_params
@@ -23,11 +22,10 @@ from tools.cluster import deployments
 from tools.cluster import main as cluster_cli
 
 
-def _prefect(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["prefect", *args], env=env, capture_output=True, text=True, timeout=300, check=False)
-
-
-def test_the_work_pool_and_the_cluster_deployments_on_a_prefect_server(prefect_stack, tmp_path, monkeypatch):
+def test_the_work_pool_and_the_cluster_deployments_on_a_prefect_server(prefect_stack, prefect_api, tmp_path,
+                                                                     monkeypatch):
+    """The server's records are read with Prefect's client (one process), not one ``prefect … inspect`` CLI
+    process per record (~3 s each)."""
     data = cluster_data(2)
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(data))
@@ -35,33 +33,29 @@ def test_the_work_pool_and_the_cluster_deployments_on_a_prefect_server(prefect_s
     for key in ("PREFECT_API_URL", "PREFECT_HOME", "PATH"):
         monkeypatch.setenv(key, env[key])
     assert cluster_cli(["work-pool", "--params", str(params_file), "--pool", "gpu-pods"]) == 0
-    pool = _prefect(env, "work-pool", "inspect", "gpu-pods", "--output", "json")
-    assert pool.returncode == 0, pool.stderr
-    inspected = json.loads(pool.stdout)
-    assert inspected["type"] == "kubernetes"
-    props = inspected["base_job_template"]["variables"]["properties"]
-    for key, value in pool_defaults(parse_params(data)).items():
-        assert props[key]["default"] == value, key
-    assert props["gpus"]["default"] == 2 and props["image"]["default"] == data["cluster"]["image"]
-    # the deployments of deploy/kubernetes/prefect.yaml, on that pool, with their job variables. They share their
-    # names with the local ones (train-phase/phase1 …): the stack's own deployments are put back afterwards, or
-    # later tests' runs would wait for a Kubernetes worker
-    try:
-        assert cluster_cli(["deploy", "--params", str(params_file)]) == 0
-        _check_deployments(env, data)
-    finally:
-        prefect_stack.deploy()
-    local = json.loads(_prefect(env, "deployment", "inspect", "train-phase/phase1", "--output", "json").stdout)
-    assert local["work_pool_name"] == prefect_stack.pool
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool("gpu-pods")
+        assert pool.type == "kubernetes"
+        props = pool.base_job_template["variables"]["properties"]
+        for key, value in pool_defaults(parse_params(data)).items():
+            assert props[key]["default"] == value, key
+        assert props["gpus"]["default"] == 2 and props["image"]["default"] == data["cluster"]["image"]
+        # the deployments of deploy/kubernetes/prefect.yaml, on that pool, with their job variables. They share
+        # their names with the local ones (train-phase/phase1 …): the stack's own deployments are put back
+        # afterwards, or later tests' runs would wait for a Kubernetes worker
+        try:
+            assert cluster_cli(["deploy", "--params", str(params_file)]) == 0
+            _check_deployments(client, data)
+        finally:
+            prefect_stack.deploy()
+        assert client.read_deployment_by_name("train-phase/phase1").work_pool_name == prefect_stack.pool
 
 
-def _check_deployments(env: dict, data: dict) -> None:
+def _check_deployments(client, data: dict) -> None:
     for name, variables in deployments().items():
         flow = name if name in ("data-prep", "eval") else "train-phase"
-        shown = _prefect(env, "deployment", "inspect", f"{flow}/{name}", "--output", "json")
-        assert shown.returncode == 0, shown.stdout + shown.stderr
-        deployment = json.loads(shown.stdout)
-        assert deployment["work_pool_name"] == "gpu-pods"
-        assert deployment["job_variables"] == variables
-        step = deployment["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
+        deployment = client.read_deployment_by_name(f"{flow}/{name}")
+        assert deployment.work_pool_name == "gpu-pods"
+        assert deployment.job_variables == variables
+        step = deployment.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
         assert step["directory"] == parse_params(data).cluster.repo_dir  # the image's repo, from params
