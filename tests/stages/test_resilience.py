@@ -20,7 +20,7 @@ import yaml
 from model.diffusion import lr_at
 from sdforge.training.exits import HUNG, PREEMPTED
 from sdforge.training.reporting import read_steps
-from tests.fixtures.training import REPO, train, weights
+from tests.fixtures.training import REPO, clone_workspace, edit_params, train, untrained_clone, weights
 
 MAX_ABS_DIFF = 1e-5
 """As tests/sdforge/training/test_ddp.py: after a world-size change only float32 summation order differs."""
@@ -127,34 +127,47 @@ def test_sigterm_to_exit_seconds(fresh_workspace, tmp_path):
     assert proc.returncode == PREEMPTED, err[-3000:]
 
 
-def _kill_then_resume(params: Path, first: int, then: int, kill_at: int, accum: int = 2):
-    """Global batch 16 on ``first`` ranks (batch 8 × ``accum`` // first per rank) in the workspace of ``params``,
-    killed, resumed on ``then``."""
-    data = yaml.safe_load(params.read_text())
-    data["phases"]["phase1"].update(batch_size=16 // (first * accum), grad_accum=accum)
-    params.write_text(yaml.safe_dump(data))
-    _set(params, nproc_per_node=first)
-    died = train(params, "phase1", kill_at=kill_at)
-    assert died.returncode != 0
+@pytest.fixture(scope="module")
+def killed(straight, tmp_path_factory):
+    """``killed(first, kill_at, accum, root)``: the tiny workspace trained with global batch 16 on ``first`` ranks
+    (batch 16 // (first × ``accum``) per rank), SIGKILLed after step ``kill_at``, copied under ``root``; the copy's
+    params file. Each such run trains once per module (the 1 → 2 and 1 → 3 rank tests start from the same one)."""
+    runs: dict[tuple[int, int, int], Path] = {}
+
+    def copy(first: int, kill_at: int, accum: int, root: Path) -> Path:
+        if (first, kill_at, accum) not in runs:
+            run = tmp_path_factory.mktemp(f"killed-{first}-{kill_at}-{accum}")
+            params = untrained_clone(straight, run)
+            edit_params(params, "phases.phase1", batch_size=16 // (first * accum), grad_accum=accum)
+            _set(params, nproc_per_node=first)
+            died = train(params, "phase1", kill_at=kill_at)
+            assert died.returncode != 0
+            runs[first, kill_at, accum] = run
+        return clone_workspace(runs[first, kill_at, accum], root)
+
+    return copy
+
+
+def _resume_on(params: Path, then: int) -> subprocess.CompletedProcess:
     _set(params, nproc_per_node=then)
     return train(params, "phase1")
 
 
 @pytest.mark.parametrize(("first", "then", "kill_at", "accum"), [(2, 1, 4, 2), (1, 2, 3, 4)])
 def test_resume_on_another_world_size_trains_every_sample_exactly_once(
-    straight, fresh_workspace, tmp_path, first, then, kill_at, accum
+    straight, killed, tmp_path, first, then, kill_at, accum
 ):
     """2 → 1 and 1 → 2 ranks (gloo): the global batch (16) is kept, the ledger is exactly-once, and the weights
     agree with the uninterrupted one-process run to the DDP tolerance (~30 s each with torchrun)."""
-    resumed = _kill_then_resume(fresh_workspace, first, then, kill_at, accum)
+    resumed = _resume_on(killed(first, kill_at, accum, tmp_path), then)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming a checkpoint of {first} rank(s) on {then}: global batch 16 kept" in resumed.stderr
     _assert_exactly_once(tmp_path)
     print(f"{first} → {then} ranks: max |Δ weight| vs straight = {_same_weights(straight, tmp_path, MAX_ABS_DIFF):.3g}")
 
 
-def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(fresh_workspace):
-    resumed = _kill_then_resume(fresh_workspace, 1, 3, kill_at=3)
+def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(killed, tmp_path):
+    resumed = _resume_on(killed(1, 3, 4, tmp_path), 3)  # the 1 → 2 ranks test's killed run, resumed on 3
     assert resumed.returncode != 0  # every rank exits 2 with the message; torchrun reports 1
     assert "global batch is 16 samples per optimizer step, which 3 ranks cannot share evenly" in resumed.stderr
     assert "phases.phase1.batch_size" in resumed.stderr and "train.nproc_per_node" in resumed.stderr
@@ -244,11 +257,11 @@ def _disagreeing_rank(rank: int, port: int, queue) -> None:
 
 
 def test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size(
-    straight, fresh_workspace, tmp_path
+    straight, killed, tmp_path
 ):
     """2 ranks × 4 × accum 2 (global 16), SIGKILLed at step 1 (no checkpoint yet), rerun on 1 process: the run dir's
     record keeps 16 (one process would otherwise start with 4 × 2 = 8), so it trains like the reference."""
-    resumed = _kill_then_resume(fresh_workspace, 2, 1, kill_at=1)
+    resumed = _resume_on(killed(2, 1, 2, tmp_path), 1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "started with global batch 16: keeping it on 1 rank(s)" in resumed.stderr
     assert _metrics(tmp_path)["global_batch"] == 16
