@@ -75,8 +75,14 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _min_snr_only_for_diffusion(self) -> Params:
+        """A flow-matching phase that leaves ``min_snr_gamma`` unset gets null (its 5.0 default is diffusion's);
+        one that sets a value is an error."""
         for name, phase in self.phases.items():
-            if self.phase_objective(name) == "flow_matching" and phase.min_snr_gamma is not None:
+            if self.phase_objective(name) != "flow_matching" or phase.min_snr_gamma is None:
+                continue
+            if "min_snr_gamma" not in phase.model_fields_set:
+                object.__setattr__(phase, "min_snr_gamma", None)  # frozen section: the default depends on the objective
+            else:
                 raise ValueError(
                     f"phases.{name}.min_snr_gamma: Min-SNR-γ weights the diffusion objective's timesteps; set it "
                     "to null for a flow_matching phase"

@@ -97,6 +97,17 @@ def test_flow_matching_with_min_snr_is_refused_naming_the_key(tmp_path):
     assert params.phase_objective("phase1") == "flow_matching" and params.phase_objective("phase2") == "diffusion"
 
 
+def test_a_flow_matching_phase_that_leaves_min_snr_unset_gets_null_and_diffusion_keeps_the_default(tmp_path):
+    data = tiny_params(tmp_path)
+    data["train"]["objective"] = "flow_matching"
+    for phase in data["phases"].values():
+        phase.pop("min_snr_gamma", None)
+    data["phases"]["phase2"]["objective"] = "diffusion"
+    params = parse_params(data)
+    assert params.phases["phase1"].min_snr_gamma is None  # the 5.0 default is the diffusion objective's
+    assert params.phases["phase2"].min_snr_gamma == 5.0
+
+
 def _step(opt, param: torch.nn.Parameter, grad: float = 1.0) -> None:
     param.grad = torch.full_like(param, grad)
     opt.step()
