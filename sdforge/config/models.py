@@ -30,6 +30,9 @@ class TextEncoderBuild(Section):
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     max_position_embeddings: int = 77
+    seed: int | None = None
+    """The text encoder's build seed (its random draw); null: ``models.seed``. The demo's prompt following must
+    hold for any draw: ``bench.demo_quality --text-encoder-seeds`` measures two."""
 
 
 class UNetSpec(Section):

@@ -70,7 +70,8 @@ def _share(results: list[dict], key: str) -> float | None:
 def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData) -> dict:
     """Colour and shape agreement of the demo probe with each demo prompt — over all of them, and apart for
     the combinations the corpus shows (``_seen``), those it holds out (``_held_out``) and those in the
-    concept colour only the concept source shows (``_concept``, when ``demo.concept``); chance baselines."""
+    concept colour only the concept source shows (``_concept``, when ``demo.concept``; its colour also per background,
+    ``colour_agreement_concept_on_<background>``); chance baselines."""
     results = []
     for img, prompt in zip(images, prompts, strict=True):
         try:
@@ -83,6 +84,7 @@ def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData
                 "prompt": prompt,
                 "held_out": demo.is_held_out(want.colour, want.shape, want.background),
                 "concept": demo.is_concept(want.colour),
+                "background": want.background,
                 "colour": got.colour,
                 "shape": got.shape,
                 "colour_ok": got.colour == want.colour,
@@ -100,6 +102,9 @@ def probe_agreement(images: list[np.ndarray], prompts: list[str], demo: DemoData
         figures.update(
             {f"colour_agreement_{name}": _share(rows, "colour_ok"), f"shape_agreement_{name}": _share(rows, "shape_ok")}
         )
+    for background in sorted({r["background"] for r in concept}):  # a new colour may hold on one background only
+        rows = [r for r in concept if r["background"] == background]
+        figures[f"colour_agreement_concept_on_{background}"] = _share(rows, "colour_ok")
     return {
         **figures,
         # full scale has no demo vocabulary (demo.enabled: false): no probe, no chance level

@@ -42,3 +42,50 @@ def test_the_probe_scores_the_first_phase_the_last_full_one_and_the_adapter(tmp_
     (tmp_path / "q").mkdir()
     quick = seed_params(REPO_PARAMS, tmp_path / "q", seed=0, quick=True)
     assert evaluated_phases(quick) == {"first": "phase0", "base": "phase0"}
+
+
+def test_bar_ratio_is_the_lowest_figure_over_its_bar_and_names_each_miss():
+    from bench.demo_quality import bar_ratio
+
+    tags = {"first": "phase0", "base": "phase7", "adapter": "phase8"}
+    good = {"seed": 0, "draw": 0, "tags": tags, "base_colour_agreement_seen": 1.0, "base_shape_agreement_seen": 0.875,
+            "base_colour_agreement_held_out": 1.0, "base_shape_agreement_held_out": 0.75,
+            "adapter_colour_agreement_concept_on_white": 0.75, "adapter_colour_agreement_concept_on_black": 1.0,
+            "adapter_colour_agreement_seen": 1.0}
+    assert bar_ratio([good]) == (1.0, [])  # shape seen 14/16 and orange on white 6/8 sit exactly on their bars
+    bad = {**good, "seed": 2, "draw": 1, "adapter_colour_agreement_concept_on_white": 0.375}
+    ratio, misses = bar_ratio([good, bad])
+    assert ratio == 0.5
+    assert misses == ["seed 2 text encoder 1: phase8 colour_agreement_concept_on_white 0.375 < 0.750"]
+
+
+def test_another_text_encoder_draw_is_built_beside_the_shared_models(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import CLIPTextModel
+
+    from bench.demo_quality import use_text_encoder_draw
+    from sdforge.config import load_params
+    from sdforge.demo.models import build_demo_text_encoder
+    from stages.prepare_models import save_uncond_embedding
+
+    base = tmp_path / "params.yaml"
+    base.write_text(REPO_PARAMS.read_text())
+    p = load_params(base)
+    models = tmp_path / "models"
+    tokenizer, encoder, _ = build_demo_text_encoder(p.models, p.demo, p.eval, models / "tokenizer")
+    encoder.save_pretrained(models / "text_encoder")
+    shipped = save_uncond_embedding(tokenizer, encoder, models / "uncond_embedding.safetensors")
+    (tmp_path / "w0").mkdir()
+    same = seed_params(base, tmp_path / "w0", seed=0, quick=False)
+    assert use_text_encoder_draw(base, same, tmp_path / "w0") is same  # params' own draw: the shared folder
+    work = tmp_path / "w1"
+    work.mkdir()
+    other = seed_params(base, work, seed=0, quick=False, overrides=["models.text_encoder_build.seed=7"])
+    drawn = use_text_encoder_draw(base, other, work)
+    assert Path(drawn.paths.models) == work / "models" and drawn.models.text_encoder_build.seed == 7
+    new = CLIPTextModel.from_pretrained(work / "models" / "text_encoder").state_dict()
+    old = CLIPTextModel.from_pretrained(models / "text_encoder").state_dict()
+    assert new.keys() == old.keys() and any(not (new[k] == old[k]).all() for k in new)
+    uncond = load_file(work / "models" / "uncond_embedding.safetensors")["uncond"]
+    assert uncond.shape == shipped.shape and not (uncond == shipped).all()
+    assert (models / "text_encoder").is_dir()  # the shared folder is left as it was

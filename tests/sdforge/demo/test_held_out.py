@@ -97,6 +97,21 @@ def test_agreement_is_reported_apart_for_seen_and_held_out_prompts():
     assert all(demo.is_held_out(*(lambda s: (s.colour, s.shape, s.background))(parse_caption(p))) for p in held)
 
 
+def test_the_new_colour_is_also_scored_per_background():
+    params = load_params(REPO_PARAMS)
+    demo = params.demo
+    prompts = ["an orange circle on a white background", "an orange square on a white background",
+               "an orange triangle on a black background", "an orange circle on a black background"]
+    rng = np.random.default_rng(2)
+    drawn = ["orange", "yellow", "orange", "orange"]  # orange on white drawn yellow once, as issue 40 saw
+    images = [render(parse_caption(p), 32, demo.palette[c], demo.backgrounds[parse_caption(p).background], rng,
+                     demo.half_size) for p, c in zip(prompts, drawn, strict=True)]
+    got = probe_agreement(images, prompts, demo)
+    assert got["colour_agreement_concept"] == 0.75
+    assert (got["colour_agreement_concept_on_white"], got["colour_agreement_concept_on_black"]) == (0.5, 1.0)
+    assert [r["background"] for r in got["per_prompt"]] == ["white", "white", "black", "black"]
+
+
 @pytest.mark.parametrize("shape", ["circle", "square", "triangle"])
 def test_probe_reads_shapes_whose_corners_are_blurred(shape):
     """A decoder rounds corners off: a blurred triangle fills ~0.65 of its box (a fill-ratio probe called it a
