@@ -17,23 +17,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from PIL import Image
-
 from sdforge.config import DemoData, Eval, Params
-from sdforge.eval.grid import (
-    captioned_grid,
-    check_extra_sizes,
-    extra_prompts,
-    probe_agreement,
-    probe_extra_sizes,
-    probe_truth,
-    sample_categories,
-    sample_extra_sizes,
-    size_name,
-)
-from sdforge.eval.metrics import image_metrics
-from sdforge.eval.sampling import load_pipeline
-from sdforge.io import stage_cli
+from sdforge.io import stage_cli, write_json
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
@@ -50,6 +35,20 @@ and FID where their weights are given)."""
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
     """Sample ``cfg.prompts`` (and the extra sizes) with EMA weights, write the grid, strips and images; return
     metrics. A bad ``eval.extra_sizes`` entry is an :class:`~sdforge.io.InputError` before any sampling."""
+    # imported here: a phase with eval_grid: false only records that (no torch, diffusers, transformers)
+    from sdforge.eval.grid import (
+        captioned_grid,
+        check_extra_sizes,
+        extra_prompts,
+        probe_agreement,
+        probe_extra_sizes,
+        probe_truth,
+        sample_categories,
+        sample_extra_sizes,
+    )
+    from sdforge.eval.metrics import image_metrics
+    from sdforge.eval.sampling import load_pipeline
+
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
     check_extra_sizes(pipe, cfg)
     samples = sample_categories(pipe, cfg)
@@ -71,6 +70,7 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
     metrics = {k: v for k, v in agreement.items() if k not in ("per_prompt", "extra_per_prompt")}
     metrics.update(
         {
+            "sampled": 1,
             "images": len(images),
             "extra_images": sum(len(imgs) for imgs in extra.values()),
             "categories": len(cfg.prompts),
@@ -96,6 +96,10 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
 def write_images(cfg: Eval, out_dir: Path, images: list, prompts: list[str], extra: dict) -> None:
     """``images/NN.png``, ``images/NN_<w>x<h>.png`` (``extra``: size → images) and ``grid.png``: the square
     cells, then a row (or more, ``eval.columns`` wide) per extra size, each caption led by its size."""
+    from PIL import Image
+
+    from sdforge.eval.grid import captioned_grid, extra_prompts, size_name
+
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(images):
         Image.fromarray(img).save(out_dir / "images" / f"{i:02d}.png")
@@ -107,11 +111,30 @@ def write_images(cfg: Eval, out_dir: Path, images: list, prompts: list[str], ext
     captioned_grid(images, prompts, cfg.columns, rows).save(out_dir / "grid.png")
 
 
+SKIPPED = "skipped.json"
+
+
+def record_skip(phase: str, out_dir: Path) -> dict:
+    """A phase with ``eval_grid: false``: ``out_dir`` holds only ``skipped.json`` saying so; metrics say so."""
+    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own output (persist: true: DVC leaves it, dvc.yaml)
+    out_dir.mkdir(parents=True)
+    write_json(out_dir / SKIPPED, {"phase": phase, "sampled": False, "why": f"phases.{phase}.eval_grid is false"})
+    return {"sampled": 0}
+
+
 def run_stage(params: Params, phase: str) -> dict:
-    """Resolve phase ``phase``'s paths from ``params``, run, log to MLflow."""
+    """Resolve phase ``phase``'s paths from ``params``, run (or, with ``phases.<phase>.eval_grid: false``, record
+    that it was not sampled), log to MLflow."""
     out_dir = Path(params.paths.eval) / phase
-    metrics = run(params.eval, params.demo, Path(params.paths.models), Path(params.paths.checkpoints) / phase, out_dir)
     parent_params = {"phase": params.phases[phase].model_dump()}
+    if not params.phases[phase].eval_grid:
+        metrics = record_skip(phase, out_dir)
+        with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
+            mlflow.log_metrics(metrics)
+            summarise(mlflow, note=f"**Eval**: not sampled (`phases.{phase}.eval_grid: false`).")
+        log.info("eval grid of %s not sampled (phases.%s.eval_grid: false)", phase, phase)
+        return metrics
+    metrics = run(params.eval, params.demo, Path(params.paths.models), Path(params.paths.checkpoints) / phase, out_dir)
     with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         mlflow.log_artifact(str(out_dir / "grid.png"))

@@ -77,10 +77,10 @@ def test_train_keys_by_effect():
     }
 
 
-def test_phase_keys_by_effect_only_description_is_none():
+def test_phase_keys_by_effect_only_description_and_eval_grid_are_none():
     effects = keys_by_effect(Phase)
-    assert {k for k, e in effects.items() if e is not Effect.WEIGHTS} == {"description"}
-    assert effects["description"] is Effect.NONE
+    assert {k for k, e in effects.items() if e is not Effect.WEIGHTS} == {"description", "eval_grid"}
+    assert effects["description"] is Effect.NONE and effects["eval_grid"] is Effect.NONE
 
 
 def test_key_effect_field_metadata_wins_and_mro_decides_otherwise():

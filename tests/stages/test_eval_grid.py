@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 from pydantic import ValidationError
 
@@ -138,6 +139,28 @@ def test_stage_succeeds_without_weights_and_logs_strips(workspace, tmp_path, mon
         "strips/shapes.png",
     ]
     assert (tmp_path / "eval/phase1/strips/cats.png").is_file()
+
+
+def test_a_phase_with_eval_grid_false_records_the_skip_and_samples_nothing(workspace, tmp_path, monkeypatch):
+    import mlflow
+
+    models, ckpt = workspace
+    monkeypatch.chdir(tmp_path)
+    params = write_params(tmp_path, models, ckpt.parent, prompts={"shapes": SHAPES[:1]})
+    data = yaml.safe_load(params.read_text())
+    data["tracking"]["mlflow_uri"] = uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    data["phases"]["phase1"]["eval_grid"] = False
+    params.write_text(yaml.safe_dump(data, sort_keys=False))
+    (tmp_path / "eval/phase1/images").mkdir(parents=True)  # an earlier sampled grid: replaced, not kept stale
+    eval_grid.main(["--params", str(params), "--item", "phase1"])
+    assert sorted(p.name for p in (tmp_path / "eval/phase1").iterdir()) == ["skipped.json"]
+    assert json.loads((tmp_path / "eval/phase1/skipped.json").read_text())["why"] == "phases.phase1.eval_grid is false"
+    assert json.loads((tmp_path / "metrics/eval_grid/phase1.json").read_text()) == {"sampled": 0}
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = client.search_runs(
+        [client.get_experiment_by_name("sdforge").experiment_id], "attributes.run_name = 'eval_grid'"
+    )[0]
+    assert run.data.metrics == {"sampled": 0.0} and client.list_artifacts(run.info.run_id) == []
 
 
 def test_full_config_categories_and_reference_run_settings():

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from sdforge.config import load_params
 from sdforge.eval.grid import probe_agreement
+from sdforge.eval.sampling import load_pipeline
 from stages import eval_grid
 from tests.fixtures.eval_workspace import make_workspace, write_params
 from tools import cli
@@ -55,7 +56,7 @@ def test_generate_writes_png_text_chunks_and_the_eval_grids_pixels(project, caps
         "sdforge:steps": "3",
         "sdforge:guidance_scale": "3.0",
         "sdforge:checkpoint": str(ckpt),
-        "sdforge:checkpoint_hash": eval_grid.load_pipeline(root / "models", ckpt).checkpoint_hash,
+        "sdforge:checkpoint_hash": load_pipeline(root / "models", ckpt).checkpoint_hash,
         "sdforge:weights": "ema",
     }
     # the eval grid samples the same prompt/seed/settings with the same EMA weights → same pixels, same probe
