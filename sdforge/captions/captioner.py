@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from sdforge.captions.quality import judge, words
 
@@ -37,6 +36,7 @@ class Caption:
 def load_captioner(model: str, revision: str | None = None, dtype: str = "fp32", device: str = "cpu"):
     """``(processor, model)`` from a hub id or a local folder, in eval mode on ``device``."""
     # transformers' auto classes import every model family's config: only the captioning stage needs them
+    import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -57,6 +57,8 @@ def strip_prompt(text: str, prompt: str) -> str:
 
 def generate(processor, model, images: Sequence[np.ndarray], prompt: str, settings: Mapping) -> list[str]:
     """The model's text for each RGB image (HWC uint8), prompt cut off, in one batch."""
+    import torch  # here: a stage that only judges or reads captions (caption_images without recaption) skips it
+
     if settings.get("do_sample"):
         raise ValueError("generation.do_sample: captions must be deterministic (the content cache keys on settings)")
     inputs = processor(images=list(images), text=[prompt] * len(images), return_tensors="pt", padding=True)
