@@ -31,7 +31,8 @@ def test_demo_params_load_with_phase0_seven_phases_and_the_adapter_phase():
     assert p.phases["phase0"].init_from == "scratch" and p.phases["phase1"].init_from == "phase0"
     assert p.phases["phase7"].init_from == "phase6" and p.phases["phase8"].init_from == "phase7"
     assert [p.phases[n].adapter is not None for n in p.phases] == [False] * 8 + [True]
-    assert {p.phase_objective(n) for n in p.phases} == {"diffusion"}
+    assert {p.phase_objective(n) for n in p.phases} == {"flow_matching"}  # train.objective (issue 40)
+    assert {p.phases[n].min_snr_gamma for n in p.phases} == {None}
     assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 8
     assert {k: shapes_of(v) for k, v in p.bucket_sets().items()} == {
         "px24": [(20, 28), (24, 24), (28, 20), (32, 16)],
