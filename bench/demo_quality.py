@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: train every seed, print the table and the RESULT line."""
     parser = argparse.ArgumentParser(prog="python -m bench.demo_quality")
     parser.add_argument("--seeds", type=int, default=3, help="train seeds 0 … N-1 (default 3)")
+    parser.add_argument("--train-seeds", type=int, nargs="+", default=None, metavar="S",
+                        help="these train seeds instead of 0 … N-1 (e.g. to finish an interrupted measurement)")
     parser.add_argument("--text-encoder-seeds", type=int, nargs="+", default=None, metavar="S",
                         help="text-encoder build seeds (default: params' draw D and D + 1); each runs every train seed")
     parser.add_argument("--quick", action="store_true", help="seed 0, params' text encoder, the first phase for one "
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     load_before = load_average()
-    seeds = [0] if args.quick else list(range(args.seeds))
+    seeds = [0] if args.quick else args.train_seeds or list(range(args.seeds))
     draws = [None] if args.quick else args.text_encoder_seeds or default_draws(args.params)
     out = args.out.resolve()
     results = [train_seed(args.params, out, s, args.quick, args.phases, args.set, d) for d in draws for s in seeds]
