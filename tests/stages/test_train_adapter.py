@@ -14,6 +14,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from sdforge.config import load_params
 from sdforge.eval.sampling import load_pipeline
 from tests.fixtures.training import clone_workspace, train, weights
 
@@ -86,7 +87,9 @@ def test_only_the_adapter_trained_and_its_share_is_reported(runs):
         config = json.loads(f.metadata()["lora_adapter_metadata"])
     assert (config["unet.r"], config["unet.lora_alpha"], config["unet.use_dora"]) == (2, 2, False)
     state = json.loads((straight / "checkpoints/phase2/state.json").read_text())
-    assert state["adapter"]["merge"] is True and state["objective"] == "diffusion"
+    # the objective the phase trained (the tiny params inherit the demo's train.objective), recorded for sampling
+    want = load_params(straight / "params.yaml").phase_objective("phase2")
+    assert state["adapter"]["merge"] is True and state["objective"] == want == "flow_matching"
 
 
 def test_dora_unmerged_keeps_the_base_and_eval_applies_the_adapter(tmp_path, straight_phase1):
