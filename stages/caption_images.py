@@ -21,6 +21,9 @@ import logging
 import time
 from pathlib import Path
 
+from transformers import CLIPTokenizer
+
+from sdforge.captions.models import captioner_for, recaption_fingerprint, resolve_model
 from sdforge.captions.report import caption_summary, length_figure, sample_table
 from sdforge.captions.shards import Captioning, EtaLog, caption_shards, remove_orphans
 from sdforge.config import Params, Recaption
@@ -36,8 +39,6 @@ TABLE_ROWS = 24
 
 def token_counter(models_dir: Path):
     """Counts a caption's CLIP tokens (with BOS/EOS) with the pipeline's tokenizer."""
-    from transformers import CLIPTokenizer  # here: a source without `recaption` imports neither torch nor this
-
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
     return lambda text: len(tokenizer(text, truncation=False).input_ids)
 
@@ -48,8 +49,6 @@ def captioning(
     """The run's settings, fingerprint and (lazily loaded) captioner; ``max_caption_chars``: the source's
     ``fetch.max_caption_chars`` (captions read and made are cut to it); ``max_pixels``: the source's
     ``fetch.max_image_pixels`` (a bigger image is not decoded)."""
-    from sdforge.captions.models import captioner_for, recaption_fingerprint, resolve_model  # imports torch
-
     model, revision = resolve_model(rec.model, rec.revision, models_dir)
     shorten_revision = resolve_model(rec.shorten.model, rec.shorten.revision, models_dir)[1] if rec.shorten else None
     return Captioning(

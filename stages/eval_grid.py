@@ -17,7 +17,22 @@ import logging
 import shutil
 from pathlib import Path
 
+from PIL import Image
+
 from sdforge.config import DemoData, Eval, Params
+from sdforge.eval.grid import (
+    captioned_grid,
+    check_extra_sizes,
+    extra_prompts,
+    probe_agreement,
+    probe_extra_sizes,
+    probe_truth,
+    sample_categories,
+    sample_extra_sizes,
+    size_name,
+)
+from sdforge.eval.metrics import image_metrics
+from sdforge.eval.sampling import load_pipeline
 from sdforge.io import stage_cli, write_json
 from sdforge.tracking import stage_run, summarise
 
@@ -35,20 +50,6 @@ and FID where their weights are given)."""
 def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
     """Sample ``cfg.prompts`` (and the extra sizes) with EMA weights, write the grid, strips and images; return
     metrics. A bad ``eval.extra_sizes`` entry is an :class:`~sdforge.io.InputError` before any sampling."""
-    # imported here: a phase with eval_grid: false only records that (no torch, diffusers, transformers)
-    from sdforge.eval.grid import (
-        captioned_grid,
-        check_extra_sizes,
-        extra_prompts,
-        probe_agreement,
-        probe_extra_sizes,
-        probe_truth,
-        sample_categories,
-        sample_extra_sizes,
-    )
-    from sdforge.eval.metrics import image_metrics
-    from sdforge.eval.sampling import load_pipeline
-
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
     check_extra_sizes(pipe, cfg)
     samples = sample_categories(pipe, cfg)
@@ -96,10 +97,6 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
 def write_images(cfg: Eval, out_dir: Path, images: list, prompts: list[str], extra: dict) -> None:
     """``images/NN.png``, ``images/NN_<w>x<h>.png`` (``extra``: size → images) and ``grid.png``: the square
     cells, then a row (or more, ``eval.columns`` wide) per extra size, each caption led by its size."""
-    from PIL import Image
-
-    from sdforge.eval.grid import captioned_grid, extra_prompts, size_name
-
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     for i, img in enumerate(images):
         Image.fromarray(img).save(out_dir / "images" / f"{i:02d}.png")

@@ -60,8 +60,8 @@ class Phase(Section):
     """Free text: the heading of the phase's MLflow description (``mix_phase``); a run resumes across a change."""
     eval_grid: Annotated[bool, Effect.NONE] = True
     """Sample the phase's eval grid. False: its ``eval_grid`` stage still runs (the DAG and the flows keep one per
-    phase) but only records that it was not sampled, importing neither torch nor diffusers: the demo samples the
-    phases whose grids differ (0, 1, 7 and the adapter) and saves ~15 s on each of the others (issue 40)."""
+    phase) but only records that it was not sampled: the demo samples phases 0, 7 and the adapter (phases 1-6 look
+    like phase 7) and saves the sampling on the others (issue 40)."""
     init_from: SafeName = SCRATCH
     init_weights: Literal["ema", "live"] = "ema"
     init_path: str | None = None

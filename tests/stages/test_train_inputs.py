@@ -26,7 +26,7 @@ CHANGES = {
         "preempt_grace_s": 40.0, "hang_timeout_s": 900.0,
         "rdzv_endpoint": "127.0.0.1:29999",  # a job-shape key that one process can change (no launch)
     },
-    "phases.phase1": {"description": "edited mid-phase"},
+    "phases.phase1": {"description": "edited mid-phase", "eval_grid": False},
 }  # fmt: skip
 """Per key that changes no weight: the value it is changed to mid-phase (``S3``: the test's moto bucket)."""
 JOB_KEYS_TESTED_ELSEWHERE = {"nproc_per_node", "nnodes", "node_rank"}
