@@ -135,17 +135,11 @@ def evaluated_phases(params: Params) -> dict[str, str]:
     return tags
 
 
-def text_encoder_draw(models) -> int:
-    """The build seed of the demo's text encoder under ``models`` (``text_encoder_build.seed``, else ``seed``)."""
-    seed = models.text_encoder_build.seed
-    return models.seed if seed is None else seed
-
-
 def use_text_encoder_draw(base: Path, params: Params, work: Path) -> Params:
     """``params`` itself when its text-encoder draw is the one ``base`` built into ``${paths.models}``; else
     a copy of that folder under ``work`` with the draw rebuilt (and its empty-prompt embedding), and the params
     pointing at it."""
-    if text_encoder_draw(params.models) == text_encoder_draw(load_params(base).models):
+    if params.models.text_encoder_seed == load_params(base).models.text_encoder_seed:
         return params
     models = work / "models"
     shutil.copytree(params.paths.models, models)
@@ -172,7 +166,7 @@ def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, o
     paths = params.paths
     write_scratch_unet(params, Path(paths.checkpoints) / SCRATCH)
     tags = evaluated_phases(params)
-    result: dict = {"seed": seed, "draw": text_encoder_draw(params.models), "train_s": 0.0, "tags": tags}
+    result: dict = {"seed": seed, "draw": params.models.text_encoder_seed, "train_s": 0.0, "tags": tags}
     for name in params.phases:
         index = Path(paths.mixes) / f"{name}.parquet"
         mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
@@ -193,7 +187,7 @@ def train_seed(base: Path, out: Path, seed: int, quick: bool, phases: int = 0, o
 
 def default_draws(base: Path) -> list[int]:
     """The text encoder ``base`` builds (draw D) and the next one (D + 1)."""
-    draw = text_encoder_draw(load_params(base).models)
+    draw = load_params(base).models.text_encoder_seed
     return [draw, draw + 1]
 
 

@@ -129,3 +129,8 @@ class Models(Section):
     captioner_build: CaptionerBuild | None = None
     """Train the demo captioner into ``paths.models``/captioner (null: none is built)."""
     seed: int = 0
+
+    @property
+    def text_encoder_seed(self) -> int:
+        """The demo text encoder's build seed: ``text_encoder_build.seed``, else ``seed``."""
+        return self.seed if self.text_encoder_build.seed is None else self.text_encoder_build.seed

@@ -152,7 +152,7 @@ def build_demo_text_encoder(
         num_hidden_layers=tb.num_hidden_layers,
         num_attention_heads=tb.num_attention_heads,
         max_position_embeddings=tb.max_position_embeddings,
-        seed=models.seed if tb.seed is None else tb.seed,
+        seed=models.text_encoder_seed,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
