@@ -66,7 +66,10 @@ class PrecisionSettings(Section):
     deterministic: bool = False
     """``torch.use_deterministic_algorithms`` (warn-only: ops without a deterministic kernel warn, not fail),
     cuDNN autotuning off and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set: on CUDA a killed and resumed run
-    then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway."""
+    then repeats the uninterrupted one bit for bit where every kernel allows. Slower; CPU is deterministic anyway.
+    Measured on an H200 (bench/README.md, 2026-11-27): with ``attention: auto`` two uninterrupted full-size runs
+    already differed at step 30 (loss 1.99391 vs 1.99442), so some kernel has no deterministic version; SDPA's
+    flash/efficient backward is the suspect (``attention: math`` is the next lease's check)."""
 
 
 def _on_off(value):
