@@ -16,6 +16,7 @@ import torch
 
 from sdforge.config import Params, load_params
 from tests.fixtures import demo_data, training
+from tests.fixtures.suite import heaviest_first
 
 
 @dataclass
@@ -38,6 +39,12 @@ def pytest_configure(config: pytest.Config) -> None:
     gets the same count, so the bit-identity checks compare like with like."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The heaviest modules first (tests/fixtures/suite.py): ``make test`` hands modules to its xdist workers in
+    this order."""
+    items[:] = [items[i] for i in heaviest_first([item.nodeid for item in items])]
 
 
 @pytest.fixture(scope="session")

@@ -97,6 +97,8 @@ def _terminate_pod_after_steps(agents: list[subprocess.Popen], steps_file: Path,
     raise AssertionError(f"rank 0 never logged {steps} steps")
 
 
+@pytest.mark.slow  # ~80 s (issue 40: the suite's time); the default run covers SIGTERM → checkpoint → bit-identical
+# resume in tests/stages/test_resilience.py (one node, two ranks) and the two-pod launch in the test above
 def test_sigterm_to_one_pod_checkpoints_every_pod_and_the_rerun_resumes_bit_identically(
     two_pods, fresh_workspace, tmp_path
 ):

@@ -153,7 +153,12 @@ def _resume_on(params: Path, then: int) -> subprocess.CompletedProcess:
     return train(params, "phase1")
 
 
-@pytest.mark.parametrize(("first", "then", "kill_at", "accum"), [(2, 1, 4, 2), (1, 2, 3, 4)])
+@pytest.mark.parametrize(
+    ("first", "then", "kill_at", "accum"),
+    # 2 → 1 is slow-only (issue 40: the suite's time): the default run keeps 1 → 2 here and a 2 → 1 resume in
+    # test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size
+    [pytest.param(2, 1, 4, 2, marks=pytest.mark.slow), (1, 2, 3, 4)],
+)
 def test_resume_on_another_world_size_trains_every_sample_exactly_once(
     straight, killed, tmp_path, first, then, kill_at, accum
 ):
