@@ -21,8 +21,6 @@ import logging
 import time
 from pathlib import Path
 
-from transformers import CLIPTokenizer
-
 from sdforge.captions.models import captioner_for, recaption_fingerprint, resolve_model
 from sdforge.captions.report import caption_summary, length_figure, sample_table
 from sdforge.captions.shards import Captioning, EtaLog, caption_shards, remove_orphans
@@ -39,6 +37,8 @@ TABLE_ROWS = 24
 
 def token_counter(models_dir: Path):
     """Counts a caption's CLIP tokens (with BOS/EOS) with the pipeline's tokenizer."""
+    from transformers import CLIPTokenizer  # lazy: ~1-2 s to import, and most sources are not captioned (no rec)
+
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
     return lambda text: len(tokenizer(text, truncation=False).input_ids)
 

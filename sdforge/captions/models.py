@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from sdforge.captions.cache import settings_fingerprint
 from sdforge.captions.captioner import generate, load_captioner
@@ -70,6 +69,8 @@ def recaption_fingerprint(rec: Recaption, model: str, revision: str | None, shor
 
 def resolve_device(device: str) -> str:
     """``auto`` → ``cuda`` when available, else ``cpu``."""
+    import torch  # lazy: ~2 s to import; caption_images imports this module also for sources it does not caption
+
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
@@ -128,6 +129,8 @@ def shorten_texts(tokenizer, model, captions: Sequence[str], shorten: Shorten) -
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # decoder-only models continue the last position
+    import torch  # lazy: see resolve_device
+
     inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     with torch.inference_mode():
         out = model.generate(**inputs, **shorten.generation, pad_token_id=tokenizer.pad_token_id)

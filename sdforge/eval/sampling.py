@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.sampler import decode_to_uint8, encode_prompts, latent_shape_for, sample_latents, sampling_scheduler
 from sdforge.io import InputError, load_failure
@@ -89,6 +87,10 @@ def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, 
     for sub in ("vae", "text_encoder", "tokenizer", "scheduler"):
         if not (models_dir / sub).is_dir():
             raise InputError(f"{models_dir / sub}: missing (run `dvc repro prepare_models`)")
+    # lazy: diffusers + transformers cost 4-6 s to import; the eval grid of a phase it skips never loads a model
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
     retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
     reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
