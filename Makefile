@@ -92,7 +92,7 @@ preflight: venv
 lint: venv
 	ruff check .
 
-# TEST_WORKERS: pytest-xdist processes (one module per worker, heaviest modules first: tests/conftest.py); 0 runs
+# TEST_WORKERS: pytest-xdist processes (one module per worker, heaviest first: tests/fixtures/suite.py); 0 runs
 # the suite in this process. The tests are single-threaded (OMP_NUM_THREADS=1), so 2 fill this 2-core machine.
 TEST_WORKERS ?= 2
 test: venv lint
