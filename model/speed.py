@@ -71,6 +71,13 @@ def compile_seconds() -> float:
         return 0.0
 
 
+def deterministic_attention(choice: str, deterministic: bool, device: torch.device) -> str:
+    """The ``train.attention`` a run uses: ``math`` for ``auto`` when ``train.deterministic`` is on with CUDA (torch's
+    own choice, flash/efficient, has a non-deterministic backward: two uninterrupted H200 runs differed by step 30,
+    while with ``math`` a killed and resumed run matched bit for bit; bench/README.md, 2026-11-27), else ``choice``."""
+    return "math" if deterministic and choice == "auto" and device.type == "cuda" else choice
+
+
 def attention_backends(choice: str, device: torch.device) -> list[SDPBackend] | None:
     """The backends ``train.attention: choice`` allows on ``device``; None: torch's own choice (``auto``, and the
     CUDA-only kernels off CUDA)."""

@@ -74,20 +74,20 @@ else
   echo "== /dev/shm: ${shm_gb:-?} GiB free; checkpoint bench in $ckpt_dir, train_check under $ckpt_tmp"
   # Ordered by value for a 15-minute lease (one call of <= 600 s, then one short call while warm). Measured
   # (bench/README.md "GPU figures"): gpu tests; eager plain vs ours at 32/48 (H100) and 48/64 (H200); compiled
-  # blocks at 64 (H100 123.9, H200 131.7 img/s); cuDNN attention under compile (no gain); the background
-  # checkpoint's stall (0.28 s; first 7.3 s); bf16 encode. Next: the kill/resume check (it ran out of its 300 s at
-  # 120 steps, and two uninterrupted runs differed on CUDA by step 30: attention=math tells whether SDPA's
-  # backward is the non-deterministic kernel); the shipped config (batch 24, checkpointing on) with and without
-  # compiled blocks; whole-UNet compile; then the rest again.
+  # blocks at 64 (H100 123.9, H200 131.7 img/s) and the shipped batch 24 with checkpointing (H200 93.1); cuDNN
+  # attention under compile (no gain); the checkpoint stall (0.28 s; first 6-7 s); bf16 encode; the kill/resume
+  # check, bit-identical with attention=math (auto differed). Next: batch 48 compiled without checkpointing (the
+  # effective batch of the shipped 24 x 2 accumulation in one step); whole-UNet compile; the kill/resume check
+  # with attention auto (train.deterministic now picks math for it: it must stay bit-identical); then the rest.
   steps=(
     "tests|90|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
-    "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on --train attention=math"
-    "shipped|300|$py -m bench.train_step $full --batch 24 --ckpt on --channels-last off --compile off,blocks"
+    "blocks48|300|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile off,blocks"
     "compile_unet|400|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile unet"
-    "switches64|330|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --attention auto,cudnn"
-    "checkpoint|150|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
-    "train_step|150|$py -m bench.train_step $full --batch 48 --ckpt off"
+    "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on"
     "encode|200|$py -m bench.encode_pipeline --vae sd --size 512 --device $device --rounds 2"
+    "switches64|330|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --attention auto,cudnn"
+    "shipped|300|$py -m bench.train_step $full --batch 24 --ckpt on --channels-last off --compile off,blocks"
+    "checkpoint|150|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
   )
 fi
 # The preflight runs the real stages through DVC: it needs DVC, polars and MLflow, which neither the GPU image

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from model.speed import attention_backends
+from model.speed import CUDA_ONLY, attention_backends, deterministic_attention
 from sdforge.config import Params
 from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
@@ -69,12 +69,24 @@ class TrainJob(JobEvents):
         self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype)
         self.objective = params.phase_objective(phase_name)
         self.model = build_trained_model(params, self.phase, dist, bucket_shapes=len(self.data.buckets))
-        self.attention = attention_backends(self.cfg.attention, dist.device)
+        self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where,
                                   self.model.unet.config)  # fmt: skip
         self.set_global_batch(self.phase.batch_size * self.phase.grad_accum * dist.world)
         self.state = TrainState(self.cfg.seed, dist.rank)
+
+    def _attention_choice(self, dist: Dist) -> str:
+        """``train.attention``, or ``math`` for ``auto`` under ``train.deterministic`` on CUDA (logged)."""
+        choice = deterministic_attention(self.cfg.attention, self.cfg.deterministic, dist.device)
+        if choice != self.cfg.attention:
+            log.info("train.deterministic on CUDA: attention %s -> %s (flash/efficient backward is not "
+                     "deterministic; set train.attention to override)", self.cfg.attention, choice)  # fmt: skip
+        elif self.cfg.deterministic and choice in CUDA_ONLY and dist.device.type == "cuda":
+            log.warning("train.deterministic with train.attention=%s: that kernel's backward may not be "
+                        "deterministic, so a resumed run may not repeat the uninterrupted one bit for bit; "
+                        "attention: math (or auto) does", choice)  # fmt: skip
+        return choice
 
     def set_global_batch(self, global_batch: int) -> None:
         """Plan the phase for ``global_batch`` samples per step (a fresh run's, or the resumed run's): this job's

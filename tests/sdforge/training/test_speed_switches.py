@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from model.builders import build_unet, noise_scheduler, unet_config
-from model.speed import REPEATED_BLOCKS, attention_backends, compile_unet
+from model.speed import REPEATED_BLOCKS, attention_backends, compile_unet, deterministic_attention
 from sdforge.config import NoiseSchedule, Phase, Train
 from sdforge.training.distributed import Dist, step_seeds
 from sdforge.training.optimization import Optimization
@@ -77,6 +77,14 @@ def test_attention_choices_map_to_kernels():
     assert attention_backends("auto", cuda) is None and attention_backends("math", cpu) == [SDPBackend.MATH]
     assert attention_backends("cudnn", cuda) == [SDPBackend.CUDNN_ATTENTION]
     assert attention_backends("flash", cpu) is None  # CUDA-only kernels: torch's own choice on a CPU
+
+
+def test_deterministic_runs_on_cuda_take_the_math_kernel_for_auto_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert deterministic_attention("auto", True, cuda) == "math"  # flash/efficient backward: not deterministic
+    assert deterministic_attention("auto", False, cuda) == "auto"
+    assert deterministic_attention("auto", True, cpu) == "auto"  # a CPU is deterministic anyway
+    assert deterministic_attention("flash", True, cuda) == "flash"  # an explicit kernel is kept (warned)
 
 
 def test_compile_blocks_compiles_each_repeated_block_and_keeps_the_parameter_names():
