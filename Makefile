@@ -117,6 +117,7 @@ run-phase: venv
 	$(PY) -m tools.stack run --phase $(PHASE)
 
 mlflow-ui: venv
+	$(PY) -m tools.cli tracking-flush
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 # The cluster's image (Dockerfile): tagged with the short commit unless IMAGE is given; GIT_SHA becomes its
@@ -139,4 +140,4 @@ cluster-deploy: venv
 
 # Pipeline outputs and local tracking state (DVC's cache in .dvc/cache is kept).
 clean-outputs:
-	rm -rf data models checkpoints runs eval metrics mlruns mlflow.db
+	rm -rf data models checkpoints runs eval metrics mlruns mlflow.db mlflow.db.spool

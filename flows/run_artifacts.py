@@ -32,7 +32,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from sdforge.config import Tracking
-from sdforge.tracking import MLFLOW_PARENT_TAG, PARENT_TAG, STAGE_TAG, run_url, tracking_uri
+from sdforge.tracking import MLFLOW_PARENT_TAG, PARENT_TAG, STAGE_TAG, flush_spool, run_url, tracking_uri
 
 OUTCOMES = ("ran", "restored", "skipped", "pulled", "failed", "not run")
 """A stage's outcome in the table: ``ran`` (its command ran), ``restored`` (from DVC's run cache),
@@ -106,6 +106,7 @@ def stage_run_url(tracking: Tracking, stage: str, root: str | Path) -> str | Non
     if uri is None:
         return None
     try:
+        flush_spool(tracking, uri)  # a short stage's run may still be spooled (sdforge.tracking_spool)
         # lazy: mlflow (~2 s) only to find a stage's run for its link
         import mlflow
 

@@ -12,6 +12,10 @@ too (``parent_params``); MLflow params cannot change, so a stage whose parent pa
 parent run's (the phase was reconfigured and rerun) starts a new parent run of the same name and leaves
 the old one as history. The experiment is tagged as model training (``mlflow.experimentKind``), so MLflow
 3's UI opens its runs table rather than the GenAI view.
+
+Short stages that log only at their end open their run with ``deferrable=True``: with a local SQLite store
+(and ``tracking.spool``) their records are spooled and replayed by the next process that opens MLflow
+(:mod:`sdforge.tracking_spool`, :func:`flush_spool`), which saves each of them MLflow's ~4-s start-up.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from sdforge.config import Tracking, redact_credentials
+from sdforge.tracking_spool import SpooledRun, locked, pending, set_aside, spool_dir, staged_files
 
 log = logging.getLogger(__name__)
 
 PARENT_TAG = "sdforge.parent"
+SPOOLED_TAG = "sdforge.spooled_ms"
+"""On a run replayed from the spool: when its stage recorded it (ms since the epoch)."""
 STAGE_TAG = "sdforge.stage"
 MLFLOW_PARENT_TAG = "mlflow.parentRunId"
 NOTE_TAG = "mlflow.note.content"
@@ -42,8 +51,17 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 """The experiment kind whose MLflow 3 UI opens on the runs table (untagged, it opens the GenAI view)."""
 STAGE_ORDER = (
-    "make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models", "caption_images",
-    "encode_latents", "mix_phase", "train", "eval_grid", "report",
+    "make_demo_data",
+    "download_metadata",
+    "filter_metadata",
+    "fetch_images",
+    "prepare_models",
+    "caption_images",
+    "encode_latents",
+    "mix_phase",
+    "train",
+    "eval_grid",
+    "report",
 )
 MAX_TAG_CHARS = 8000
 """MLflow's limit on a tag value (a longer description is cut)."""
@@ -111,9 +129,7 @@ def newest_parent(client: Any, experiment_id: str, parent: str) -> Any | None:
     return runs[0] if runs else None
 
 
-def _parent_run_id(
-    client: Any, experiment_id: str, parent: str, parent_params: dict[str, str], stage: str = ""
-) -> str:
+def _parent_run_id(client: Any, experiment_id: str, parent: str, parent_params: dict[str, str], stage: str = "") -> str:
     """The newest parent run named ``parent`` whose params agree with ``parent_params`` (which it then
     carries), or a new one when there is none or they differ. A new one replacing a changed run starts with
     the summary of the stages before ``stage`` in the DAG (they did not rerun: ``stage`` and later will)."""
@@ -211,33 +227,133 @@ def stage_run(
     stage: str,
     params: dict[str, Any] | None = None,
     parent_params: dict[str, Any] | None = None,
+    *,
+    deferrable: bool = False,
 ) -> Iterator[Any]:
     """Open an MLflow child run named ``stage`` under the parent run ``parent``.
 
     ``parent_params`` (e.g. the phase's config) are logged on the parent run (see the module docstring for
     what happens when they changed). Yields the ``mlflow`` module with the run active, so callers use
     ``mlflow.log_metric`` and :func:`summarise`; with ``tracking.enabled: false`` it yields
-    :data:`NULL_TRACKING` and never imports mlflow.
+    :data:`NULL_TRACKING` and never imports mlflow. ``deferrable`` (a stage that logs nothing a user watches
+    live): with a local SQLite store and ``tracking.spool`` it yields a :class:`SpooledRun` that records the
+    calls for a later replay, and mlflow is not imported. A direct run first replays what is spooled.
     """
     if not cfg.enabled:
         log.info("tracking.enabled is false: %s/%s logs nothing to MLflow", parent, stage)
         yield NULL_TRACKING
         return
+    uri = tracking_uri(cfg)
+    spool = spool_dir(uri) if deferrable and cfg.spool else None
+    if spool is not None:
+        yield from _spooled_run(spool, parent, stage, flatten(params or {}), flatten(parent_params or {}))
+        return
     # lazy: mlflow (~2 s); flows and tests import this module without logging
     import mlflow
 
-    uri = tracking_uri(cfg)
     with _env_untouched("MLFLOW_TRACKING_URI"):  # mlflow.set_tracking_uri also exports it to the env
         mlflow.set_tracking_uri(uri)
         experiment = _model_training_experiment(mlflow, cfg.experiment)
-        client = mlflow.MlflowClient()
-        parent_id = _parent_run_id(client, experiment.experiment_id, parent, flatten(parent_params or {}), stage)
-        with mlflow.start_run(run_id=parent_id):
-            with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
-                if params:
-                    mlflow.log_params(flatten(params))
-                log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, redact_credentials(uri))
-                yield mlflow
+        _replay_spool(mlflow, experiment.experiment_id, spool_dir(uri))
+        with _child_run(mlflow, experiment.experiment_id, parent, stage, flatten(params or {}),
+                        flatten(parent_params or {})) as run:  # fmt: skip
+            log.info("MLflow run %s (%s/%s) at %s", run.info.run_id, parent, stage, redact_credentials(uri))
+            yield mlflow
+
+
+def _spooled_run(spool: Path, parent: str, stage: str, params: dict, parent_params: dict) -> Iterator[SpooledRun]:
+    """Yield a recorder for ``parent``/``stage`` and put what it recorded in ``spool`` (FAILED if it raised)."""
+    recorder = SpooledRun(parent, stage, params, parent_params)
+    try:
+        yield recorder
+    except BaseException:
+        recorder.failed()
+        raise
+    finally:
+        entry = recorder.write(spool)
+        log.info("MLflow run of %s/%s spooled to %s (replayed when a stage next opens MLflow, or by "
+                 "`sdforge tracking-flush`)", parent, stage, entry)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _child_run(mlflow: Any, experiment_id: str, parent: str, stage: str, params: dict, parent_params: dict):
+    """The active child run ``stage`` under the parent run ``parent`` (flat ``params``, ``parent_params``)."""
+    parent_id = _parent_run_id(mlflow.MlflowClient(), experiment_id, parent, parent_params, stage)
+    with mlflow.start_run(run_id=parent_id):
+        with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
+            if params:
+                mlflow.log_params(params)
+            yield run
+
+
+def flush_spool(cfg: Tracking, uri: str | None = None) -> int:
+    """Replay the spooled runs of ``uri`` (default: the tracking URI in force) into MLflow, oldest first;
+    returns how many. Cheap (mlflow not imported) when nothing is spooled."""
+    uri = uri or tracking_uri(cfg)
+    spool = spool_dir(uri)
+    if not cfg.enabled or spool is None or not pending(spool):
+        return 0
+    # lazy: mlflow (~2 s), only when something is spooled
+    import mlflow
+
+    with _env_untouched("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri(uri)
+        return _replay_spool(mlflow, _model_training_experiment(mlflow, cfg.experiment).experiment_id, spool)
+
+
+def _replay_spool(mlflow: Any, experiment_id: str, spool: Path | None) -> int:
+    """Replay every spooled run under ``spool``'s lock, each then removed (set aside, with a warning, if its
+    replay raised); the number replayed."""
+    if spool is None or not pending(spool):
+        return 0
+    done = 0
+    with locked(spool):
+        for entry in pending(spool):  # listed under the lock: another process may have replayed some
+            try:
+                _replay(mlflow, experiment_id, entry)
+            except Exception as err:  # noqa: BLE001 - one bad entry must not block the others or the stage
+                log.warning("could not replay the spooled MLflow run %s (%s): moved to %s", entry, err,
+                            set_aside(entry))  # fmt: skip
+                continue
+            shutil.rmtree(entry)
+            done += 1
+    log.info("replayed %d spooled MLflow run(s) from %s", done, spool)
+    return done
+
+
+def _replay(mlflow: Any, experiment_id: str, entry: Path) -> None:
+    """Log one spooled run as the direct run would have been logged."""
+    spec = json.loads((entry / "entry.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        with _child_run(mlflow, experiment_id, spec["parent"], spec["stage"], spec["params"],
+                        spec["parent_params"]) as run:  # fmt: skip
+            mlflow.set_tag(SPOOLED_TAG, str(spec["recorded_ms"]))
+            for i, call in enumerate(spec["calls"]):
+                _replay_call(mlflow, entry, call, Path(tmp) / str(i))
+        if spec["status"] != "FINISHED":
+            mlflow.MlflowClient().set_terminated(run.info.run_id, spec["status"])
+
+
+def _replay_call(mlflow: Any, entry: Path, call: dict, tmp: Path) -> None:
+    """Re-issue one recorded call (:class:`SpooledRun`) against the active run."""
+    name = call["call"]
+    if name == "log_metrics":
+        mlflow.log_metrics(call["metrics"], step=call["step"])
+    elif name == "log_params":
+        mlflow.log_params(call["params"])
+    elif name == "set_tags":
+        mlflow.set_tags(call["tags"])
+    elif name == "artifact":
+        artifact_dir, _, file_name = call["artifact_file"].rpartition("/")
+        target = tmp / file_name
+        tmp.mkdir(parents=True)
+        shutil.copyfile(entry / call["file"], target)
+        mlflow.log_artifact(str(target), artifact_dir or None)
+    elif name == "summarise":
+        files = staged_files(entry, call["files"], tmp)
+        summarise(mlflow, metrics=call["metrics"], note=call["note"], artifacts=files, step=call["step"])
+    else:
+        raise ValueError(f"unknown spooled call {name!r}")
 
 
 @contextlib.contextmanager
@@ -270,8 +386,9 @@ def log_stage(
     note: str | None = None,
 ):
     """Log a finished stage's params, numeric metrics and metrics JSON as one MLflow child run; copy the
-    ``headline`` metrics and the ``note`` (a markdown section) onto the parent run (:func:`summarise`)."""
-    with stage_run(cfg, parent, stage, params) as mlflow:
+    ``headline`` metrics and the ``note`` (a markdown section) onto the parent run (:func:`summarise`).
+    All of it is known at the stage's end, so the run is deferrable (spooled with a SQLite store)."""
+    with stage_run(cfg, parent, stage, params, deferrable=True) as mlflow:
         mlflow.log_metrics(numeric(metrics))
         text = redact_credentials(json.dumps(metrics, indent=2, sort_keys=True, default=str))
         mlflow.log_text(text, f"{stage.split('@')[0]}.json")
@@ -289,7 +406,10 @@ def summarise(
     """Copy what a user should see first onto the active stage run's parent run: ``metrics`` as
     ``<stage>.<name>`` (``@`` in the stage becomes ``.``), ``artifacts`` (``(local file or dir, artifact
     dir)`` pairs) and ``note``, this stage's section of the parent's description. Does nothing when
-    tracking is off."""
+    tracking is off; recorded for the replay in a spooled run."""
+    if isinstance(mlflow, SpooledRun):
+        mlflow.record_summary(metrics, note, artifacts, step)
+        return
     run = mlflow.active_run()
     if run is None:
         return

@@ -122,7 +122,8 @@ def run_stage(params: Params, item: str) -> dict:
     paths = params.paths
     out_dir = Path(paths.captions) / item
     config = {"recaption": rec.model_dump() if rec else None}
-    with stage_run(params.tracking, parent="data", stage=f"caption_images@{item}", params=config) as mlflow:
+    live = rec is not None  # a captioning model's progress is watched live; copying the originals takes seconds
+    with stage_run(params.tracking, "data", f"caption_images@{item}", config, deferrable=not live) as mlflow:
 
         def progress(figures: dict) -> None:
             mlflow.log_metrics({f"progress.{k}": float(v) for k, v in figures.items()}, step=figures["captioned"])

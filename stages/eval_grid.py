@@ -126,7 +126,8 @@ def run_stage(params: Params, phase: str) -> dict:
     parent_params = {"phase": params.phases[phase].model_dump()}
     if not params.phases[phase].eval_grid:
         metrics = record_skip(phase, out_dir)
-        with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
+        eval_params = params.eval.model_dump()
+        with stage_run(params.tracking, phase, "eval_grid", eval_params, parent_params, deferrable=True) as mlflow:
             mlflow.log_metrics(metrics)
             summarise(mlflow, note=f"**Eval**: not sampled (`phases.{phase}.eval_grid: false`).")
         log.info("eval grid of %s not sampled (phases.%s.eval_grid: false)", phase, phase)

@@ -30,7 +30,7 @@ def log_to_mlflow(
 ) -> None:
     """Log the metrics, the metrics JSON and (LAION kind) the histograms to the ``filter_metadata@<source>`` run."""
     params = {"kind": source.kind, "filter": source.filter.model_dump()}
-    with stage_run(tracking, parent="data", stage=f"filter_metadata@{name}", params=params) as mlflow:
+    with stage_run(tracking, parent="data", stage=f"filter_metadata@{name}", params=params, deferrable=True) as mlflow:
         mlflow.log_metrics(metrics)
         mlflow.log_dict(metrics, f"filter_metadata/{name}.json")
         rows_in, rows_out = metrics["rows_in"], metrics["rows_out"]

@@ -158,7 +158,7 @@ def run_stage(params: Params, phase_name: str) -> dict:
     parent_params = {"phase": phase.model_dump()}
     index = Path(params.paths.mixes) / f"{phase_name}.parquet"
     logged["index_sha256"] = digest
-    with stage_run(params.tracking, phase_name, "mix_phase", logged, parent_params) as mlflow:
+    with stage_run(params.tracking, phase_name, "mix_phase", logged, parent_params, deferrable=True) as mlflow:
         mlflow.log_metrics(metrics)
         mlflow.log_figure(_composition_figure(metrics), "mix_composition.png")
         headline = {k: v for k, v in metrics.items() if k == "samples" or k.startswith("samples.")}

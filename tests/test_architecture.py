@@ -28,6 +28,7 @@ MAX_FUNCTION_LINES = 60
 # change what the stage writes to its outputs. Keep this short; every entry says why.
 DEPS_ALLOWLIST = {
     "sdforge.tracking",  # logs params/metrics/artifacts to MLflow; writes nothing under the stage's outs
+    "sdforge.tracking_spool",  # MLflow records spooled beside the SQLite store; nothing under the stage's outs
     # The typed view of params.yaml. DVC tracks the values a stage reads through its `params:` list, so
     # a new field re-runs nothing while its default keeps today's behaviour; a change of behaviour must come
     # with an explicit value in params.yaml (docs/ARCHITECTURE.md). Listing it would re-run the whole

@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sdforge.config import Params, load_params
-from sdforge.tracking import PARENT_TAG, newest_parent, tracking_uri, ui_route
+from sdforge.tracking import PARENT_TAG, flush_spool, newest_parent, tracking_uri, ui_route
 from tools.tiny_demo import free_port
 
 log = logging.getLogger("sdforge.browser_check")
@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     port = args.port or (urlsplit(params.tracking.ui_url).port if args.prefect_ui else None) or free_port()
     checks = Checks()
+    flush_spool(params.tracking)  # short stages' spooled runs, before the server reads the store
     with mlflow_server(tracking_uri(params.tracking), Path.cwd(), port) as base:
         check_pages(params, base, Path(args.out), checks, args.prefect_ui)
     return 0 if checks.ok else 1

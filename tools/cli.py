@@ -19,6 +19,7 @@ from sdforge.config import ConfigError, load_params
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
+from sdforge.tracking import flush_spool
 from sdforge.training.run_dir import STALE_NOTE, remove_stale, stale_runs
 from stages import report as report_stage
 from stages.report import REPORT
@@ -108,6 +109,13 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tracking_flush(args: argparse.Namespace) -> int:
+    """Replay the MLflow runs short stages spooled (``tracking.spool``) into the store now."""
+    replayed = flush_spool(load_params(args.params).tracking)
+    print(f"{replayed} spooled MLflow run(s) logged")
+    return 0
+
+
 def _runs(args: argparse.Namespace) -> int:
     """List the run dirs the train stage moved aside (their size), or remove them (``clean --yes``)."""
     runs = Path(load_params(args.params).paths.runs)
@@ -172,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--yes", action="store_true", help="clean: really delete")
     runs.add_argument("--params", default="params.yaml")
     runs.set_defaults(func=_runs)
+    flush = sub.add_parser("tracking-flush", help="log the short stages' spooled MLflow runs now (tracking.spool)")
+    flush.add_argument("--params", default="params.yaml")
+    flush.set_defaults(func=_tracking_flush)
     chk = sub.add_parser("check", help="validate params.yaml (size, aliases, names) before a bare `dvc repro`")
     chk.add_argument("--params", default="params.yaml")
     chk.set_defaults(func=lambda args: check_params(args.params))

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from sdforge.config import load_params
-from sdforge.tracking import experiment_url, newest_parent, run_url, tracking_uri, ui_base
+from sdforge.tracking import experiment_url, flush_spool, newest_parent, run_url, tracking_uri, ui_base
 from stages.report import REPORT
 
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = Path(params.paths.eval) / phase / "grid.png"
     report = Path(params.paths.eval) / REPORT
 
+    flush_spool(cfg)  # the short stages' spooled runs first (sdforge.tracking_spool)
     # lazy: mlflow (~2 s) after the arguments are parsed
     import mlflow
 

@@ -43,6 +43,11 @@ class Tracking(Section):
     """Where a user opens the MLflow UI when ``mlflow_uri`` is not a server (``make mlflow-ui`` serves the
     SQLite store there): the base of the run links in Prefect artifacts and ``tools.results``. With an
     ``http(s)`` tracking URI the links use that URI instead."""
+    spool: bool = True
+    """With a local SQLite store, short stages that log only at their end (data, mix, models, encode, a skipped
+    eval grid) spool their MLflow records and the next stage that opens MLflow replays them (each saves ~4 s
+    of MLflow start-up; :mod:`sdforge.tracking_spool`). ``false``: every stage logs directly. A tracking
+    server (``http(s)://``) is always logged to directly."""
 
 
 class Storage(Section):

@@ -11,7 +11,7 @@ import pytest
 
 from sdforge.config import ConfigError, Tracking
 from sdforge.eval.export import register
-from sdforge.tracking import flatten, log_stage
+from sdforge.tracking import flatten, flush_spool, log_stage
 
 SENTINEL = "SENTINELs3cr3t"
 """Stands for a credential: it must never reach MLflow."""
@@ -60,6 +60,9 @@ def test_sentinel_never_reaches_mlflow(tmp_path, monkeypatch: pytest.MonkeyPatch
     cfg = Tracking(mlflow_uri=uri, experiment="redaction")
     metrics = {"rows": 3, "source": f"https://user:{SENTINEL}@mirror.example.com/x"}
     log_stage(cfg, "data", "download_metadata@laion", metrics, _leaky_params())
+    spooled = [p.read_bytes() for p in (tmp_path / "mlflow.db.spool").rglob("*") if p.is_file()]
+    assert len(spooled) >= 2 and all(SENTINEL.encode() not in data for data in spooled)  # the spool is redacted too
+    assert flush_spool(cfg) == 1
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("redaction")

@@ -28,7 +28,8 @@ def store(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)  # the sqlite store's default artifact root is ./mlruns
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    return Tracking(mlflow_uri=uri, experiment="parents"), mlflow.MlflowClient(tracking_uri=uri)
+    # spool off: these tests read the store right after each log (the spool's replay: test_tracking_spool.py)
+    return Tracking(mlflow_uri=uri, experiment="parents", spool=False), mlflow.MlflowClient(tracking_uri=uri)
 
 
 def _parents(client, name: str) -> list:

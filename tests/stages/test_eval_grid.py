@@ -16,6 +16,7 @@ from sdforge.config import Eval, load_params
 from sdforge.eval import grid
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError
+from sdforge.tracking import flush_spool
 from stages import eval_grid
 from tests.fixtures.eval_workspace import REPO, make_workspace, write_params
 
@@ -156,6 +157,7 @@ def test_a_phase_with_eval_grid_false_records_the_skip_and_samples_nothing(works
     assert sorted(p.name for p in (tmp_path / "eval/phase1").iterdir()) == ["skipped.json"]
     assert json.loads((tmp_path / "eval/phase1/skipped.json").read_text())["why"] == "phases.phase1.eval_grid is false"
     assert json.loads((tmp_path / "metrics/eval_grid/phase1.json").read_text()) == {"sampled": 0}
+    assert flush_spool(load_params(params).tracking) == 1  # a skipped grid's run is spooled, then replayed
     client = mlflow.MlflowClient(tracking_uri=uri)
     run = client.search_runs(
         [client.get_experiment_by_name("sdforge").experiment_id], "attributes.run_name = 'eval_grid'"

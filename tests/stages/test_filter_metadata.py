@@ -14,6 +14,7 @@ from sdforge.config import Columns, FilterRules, Source
 from sdforge.ingest.sources.laion import dedup as laion_dedup
 from sdforge.ingest.sources.laion import filter as laion_filter
 from sdforge.io import InputError
+from sdforge.tracking import flush_spool
 from stages import filter_metadata
 
 RULES = FilterRules(
@@ -201,6 +202,7 @@ def test_mlflow_gets_metrics_the_metrics_json_and_the_histograms(tmp_path):
     source = Source(kind="laion", repo="unused", filter=RULES)
     metrics, hist = filter_metadata.filter_with_histograms(source, "laion", meta, tmp_path / "out")
     filter_metadata.log_to_mlflow(tracking, "laion", source, metrics, hist)
+    assert flush_spool(tracking) == 1  # a short stage's run is spooled (tracking.spool), then replayed
     mlflow.set_tracking_uri(tracking.mlflow_uri)
     runs = mlflow.search_runs(
         experiment_names=["test-filter"], filter_string="tags.`sdforge.stage` = 'filter_metadata@laion'"

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.builders import build_tiny_text_encoder, build_tiny_vae
-from sdforge.config import ConfigError, DemoData, Eval, Models
+from sdforge.config import ConfigError, DemoData, Eval, Models, load_params
+from sdforge.tracking import flush_spool
 from stages import prepare_models
 from tests.fixtures.training import TINY_UNET
 
@@ -201,6 +202,7 @@ def test_cli_writes_metrics_and_logs_to_mlflow(demo_params, tmp_path):
     assert metrics["vae_train_steps"] == 3
     assert (tmp_path / "models/vae/config.json").is_file()
     assert (tmp_path / "checkpoints/scratch/unet/config.json").is_file()
+    assert flush_spool(load_params(tmp_path / "params.yaml").tracking) == 1  # spooled (tracking.spool), replayed
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=[data["tracking"]["experiment"]], output_format="list")
     (run,) = [r for r in runs if r.data.tags.get("sdforge.stage") == "prepare_models"]
