@@ -38,6 +38,8 @@ from sdforge.tracking_spool import SpooledRun, locked, pending, set_aside, spool
 log = logging.getLogger(__name__)
 
 PARENT_TAG = "sdforge.parent"
+SOURCE_TAG = "mlflow.source.name"
+"""The program that logged a run (MLflow sets it; a replayed run keeps its stage's, not the replayer's)."""
 SPOOLED_TAG = "sdforge.spooled_ms"
 """On a run replayed from the spool: when its stage recorded it (ms since the epoch)."""
 STAGE_TAG = "sdforge.stage"
@@ -276,11 +278,14 @@ def _spooled_run(spool: Path, parent: str, stage: str, params: dict, parent_para
 
 
 @contextlib.contextmanager
-def _child_run(mlflow: Any, experiment_id: str, parent: str, stage: str, params: dict, parent_params: dict):
-    """The active child run ``stage`` under the parent run ``parent`` (flat ``params``, ``parent_params``)."""
+def _child_run(
+    mlflow: Any, experiment_id: str, parent: str, stage: str, params: dict, parent_params: dict, tags=None
+):
+    """The active child run ``stage`` under the parent run ``parent`` (flat ``params``, ``parent_params``;
+    ``tags`` over MLflow's own, such as the source a replayed run came from)."""
     parent_id = _parent_run_id(mlflow.MlflowClient(), experiment_id, parent, parent_params, stage)
     with mlflow.start_run(run_id=parent_id):
-        with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage}) as run:
+        with mlflow.start_run(run_name=stage, nested=True, tags={STAGE_TAG: stage, **(tags or {})}) as run:
             if params:
                 mlflow.log_params(params)
             yield run
@@ -324,10 +329,10 @@ def _replay_spool(mlflow: Any, experiment_id: str, spool: Path | None) -> int:
 def _replay(mlflow: Any, experiment_id: str, entry: Path) -> None:
     """Log one spooled run as the direct run would have been logged."""
     spec = json.loads((entry / "entry.json").read_text())
+    tags = {SPOOLED_TAG: str(spec["recorded_ms"])} | ({SOURCE_TAG: spec["source"]} if spec.get("source") else {})
     with tempfile.TemporaryDirectory() as tmp:
         with _child_run(mlflow, experiment_id, spec["parent"], spec["stage"], spec["params"],
-                        spec["parent_params"]) as run:  # fmt: skip
-            mlflow.set_tag(SPOOLED_TAG, str(spec["recorded_ms"]))
+                        spec["parent_params"], tags) as run:  # fmt: skip
             for i, call in enumerate(spec["calls"]):
                 _replay_call(mlflow, entry, call, Path(tmp) / str(i))
         if spec["status"] != "FINISHED":

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -77,6 +78,7 @@ class SpooledRun:
         self.entry: dict[str, Any] = {
             "parent": parent, "stage": stage, "params": params, "parent_params": parent_params,
             "recorded_ms": int(time.time() * 1000), "status": "FINISHED", "calls": [],
+            "source": os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "",
         }  # fmt: skip
         self.files: list[bytes] = []
 

@@ -89,6 +89,7 @@ def test_a_spooled_run_replays_into_what_a_direct_run_logs(store):
     assert a_parent.data.params == b_parent.data.params == {"phase.lr": "0.0001"}
     assert a_parent.data.tags[NOTE_TAG] == b_parent.data.tags[NOTE_TAG]
     assert a_child.data.tags["grid"] == "none" and "sdforge.spooled_ms" in a_child.data.tags
+    assert a_child.data.tags["mlflow.source.name"] == b_child.data.tags["mlflow.source.name"]  # the stage's own
     assert a_child.info.status == b_child.info.status == "FINISHED"
 
 
