@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.demo_quality import OUTPUTS, seed_params
+from bench.demo_quality import OUTPUTS, seed_params, train_seed
 
 REPO_PARAMS = Path(__file__).resolve().parents[2] / "params.yaml"
 
@@ -89,3 +89,9 @@ def test_another_text_encoder_draw_is_built_beside_the_shared_models(tmp_path):
     uncond = load_file(work / "models" / "uncond_embedding.safetensors")["uncond"]
     assert uncond.shape == shipped.shape and not (uncond == shipped).all()
     assert (models / "text_encoder").is_dir()  # the shared folder is left as it was
+
+
+def test_from_phase_continues_only_an_earlier_run(tmp_path):
+    with pytest.raises(SystemExit, match="--from-phase phase8: no earlier run in .*seed-0"):
+        train_seed(REPO_PARAMS, tmp_path, 0, False, from_phase="phase8")
+    assert not (tmp_path / "seed-0").exists()  # nothing made, nothing deleted
