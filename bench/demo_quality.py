@@ -22,7 +22,9 @@ only and evaluates it: a check that the harness runs, not a quality figure. ``--
 phases only; ``--set phases.phase1.lr=1e-3`` (repeatable, YAML values) measures a change without editing
 ``params.yaml``. ``--from-phase phase8`` continues the work dirs an earlier invocation left (same seeds and
 draws): the phases before it are not retrained (their checkpoints are reused) and only it and later phases are
-scored — minutes instead of ~40 to measure a change of the adapter phase over all six runs.
+scored — minutes instead of ~20 to measure a change of the adapter phase over all six runs. ``--rescore``
+trains nothing: it samples and scores the work dirs' checkpoints again, for an ``eval`` setting's change
+(``--set eval.guidance_scale=5``).
 """
 
 from __future__ import annotations
@@ -158,15 +160,18 @@ def use_text_encoder_draw(base: Path, params: Params, work: Path) -> Params:
 
 
 def train_seed(
-    base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=(), draw=None, from_phase=None
+    base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=(), draw=None, from_phase=None,
+    rescore: bool = False,
 ) -> dict:
     """Mix, train and evaluate every phase for one train seed (and text-encoder ``draw``: None keeps params'); the
-    probe figures of :func:`evaluated_phases`. ``from_phase``: continue the work dir from that phase."""
+    probe figures of :func:`evaluated_phases`. ``from_phase``: continue the work dir from that phase; ``rescore``:
+    train nothing, sample and score the work dir's checkpoints again (an eval setting's change)."""  # fmt: skip
     work = out / (f"seed-{seed}" if draw is None else f"text-encoder-{draw}/seed-{seed}")
-    if from_phase is None:
+    if from_phase is None and not rescore:
         shutil.rmtree(work, ignore_errors=True)
     elif not (work / "checkpoints").is_dir():
-        raise SystemExit(f"bench.demo_quality: --from-phase {from_phase}: no earlier run in {work}; run without it")
+        flag = f"--from-phase {from_phase}" if from_phase else "--rescore"
+        raise SystemExit(f"bench.demo_quality: {flag}: no earlier run in {work}; run without it")
     work.mkdir(parents=True, exist_ok=True)
     overrides = [*overrides, *([] if draw is None else [f"models.text_encoder_build.seed={draw}"])]
     params = seed_params(base, work, seed, quick, phases, overrides)
@@ -174,20 +179,20 @@ def train_seed(
     params = use_text_encoder_draw(base, params, work)
     paths = params.paths
     names = list(params.phases)
-    if from_phase is None:
+    if from_phase is None and not rescore:
         write_scratch_unet(params, Path(paths.checkpoints) / SCRATCH)
-    elif from_phase not in names:
+    elif from_phase is not None and from_phase not in names:
         raise SystemExit(f"bench.demo_quality: --from-phase {from_phase}: not a phase of {base} ({names})")
     trained = names[names.index(from_phase) :] if from_phase else names
     tags = {tag: phase for tag, phase in evaluated_phases(params).items() if phase in trained}
     result: dict = {"seed": seed, "draw": params.models.text_encoder_seed, "train_s": 0.0, "tags": tags}
     for name in trained:
-        index = Path(paths.mixes) / f"{name}.parquet"
-        mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
-        start = time.perf_counter()
-        metrics = train.run(params, name)
-        result["train_s"] += time.perf_counter() - start
-        result[f"{name}_steps"] = metrics["steps"]
+        if not rescore:
+            index = Path(paths.mixes) / f"{name}.parquet"
+            mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
+            start = time.perf_counter()
+            result[f"{name}_steps"] = train.run(params, name)["steps"]
+            result["train_s"] += time.perf_counter() - start
         if name not in tags.values():
             continue
         grid = eval_grid.run(
@@ -257,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a params key")
     parser.add_argument("--from-phase", default=None, metavar="PHASE",
                         help="continue an earlier invocation's work dirs from PHASE (earlier phases not retrained)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="train nothing: sample and score an earlier invocation's checkpoints again (eval --set)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     draws = [None] if args.quick else args.text_encoder_seeds or default_draws(args.params)
     out = args.out.resolve()
     results = [
-        train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase)
+        train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore)
         for d in draws
         for s in seeds
     ]

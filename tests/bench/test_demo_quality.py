@@ -91,7 +91,9 @@ def test_another_text_encoder_draw_is_built_beside_the_shared_models(tmp_path):
     assert (models / "text_encoder").is_dir()  # the shared folder is left as it was
 
 
-def test_from_phase_continues_only_an_earlier_run(tmp_path):
+def test_from_phase_and_rescore_continue_only_an_earlier_run(tmp_path):
     with pytest.raises(SystemExit, match="--from-phase phase8: no earlier run in .*seed-0"):
         train_seed(REPO_PARAMS, tmp_path, 0, False, from_phase="phase8")
-    assert not (tmp_path / "seed-0").exists()  # nothing made, nothing deleted
+    with pytest.raises(SystemExit, match="--rescore: no earlier run in .*seed-0"):
+        train_seed(REPO_PARAMS, tmp_path, 0, False, rescore=True)
+    assert not (tmp_path / "seed-0" / "checkpoints").exists()  # nothing trained, nothing deleted
