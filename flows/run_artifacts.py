@@ -33,6 +33,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from sdforge.config import Tracking
 from sdforge.tracking import MLFLOW_PARENT_TAG, PARENT_TAG, STAGE_TAG, flush_spool, run_url, tracking_uri
+from sdforge.tracking_spool import SQLITE_PREFIX
 
 OUTCOMES = ("ran", "restored", "skipped", "pulled", "failed", "not run")
 """A stage's outcome in the table: ``ran`` (its command ran), ``restored`` (from DVC's run cache),
@@ -40,7 +41,6 @@ OUTCOMES = ("ran", "restored", "skipped", "pulled", "failed", "not run")
 (after a failure)."""
 TAIL_LINES = 40
 """Lines of a failure's message shown in the failure artifact."""
-SQLITE_PREFIX = "sqlite:///"
 
 
 def artifact_key(prefix: str, stage: str) -> str:

@@ -141,10 +141,8 @@ class SpooledRun:
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
         """Record every file under a folder as artifacts under ``artifact_path``."""
-        for path in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
-            relative = path.relative_to(local_dir).parent.as_posix()
-            parts = [part for part in (artifact_path, relative) if part and part != "."]
-            self.log_artifact(path, "/".join(parts) or None)
+        for file, artifact_dir in files_under(Path(local_dir), artifact_path):
+            self.log_artifact(file, artifact_dir or None)
 
     def record_summary(
         self,
@@ -154,13 +152,11 @@ class SpooledRun:
         step: int,
     ) -> None:
         """Record a :func:`sdforge.tracking.summarise` call (its artifacts' bytes now)."""
-        files = []
-        for path, artifact_path in artifacts:
-            found = sorted(p for p in Path(path).rglob("*") if p.is_file()) if Path(path).is_dir() else [Path(path)]
-            for file in found:
-                sub = file.relative_to(path).parent.as_posix() if Path(path).is_dir() else "."
-                parts = [part for part in (artifact_path, sub) if part and part != "."]
-                files.append({"file": self._file(file.read_bytes()), "name": file.name, "dir": "/".join(parts)})
+        files = [
+            {"file": self._file(file.read_bytes()), "name": file.name, "dir": artifact_dir}
+            for path, artifact_path in artifacts
+            for file, artifact_dir in files_under(Path(path), artifact_path)
+        ]
         metrics = {k: float(v) for k, v in (metrics or {}).items()}
         self._call("summarise", metrics=metrics, note=note, files=files, step=step)
 
@@ -183,6 +179,18 @@ class SpooledRun:
         (tmp / ENTRY).write_text(json.dumps(self.entry, indent=1, default=str))
         tmp.rename(folder / name)
         return folder / name
+
+
+def files_under(path: Path, artifact_path: str | None) -> list[tuple[Path, str]]:
+    """``(file, artifact dir)`` for a file (under ``artifact_path``) or every file under a folder (its sub-folders
+    under ``artifact_path``), as MLflow's ``log_artifact(s)`` place them; ``""``: the run's root."""
+    if not path.is_dir():
+        return [(path, artifact_path or "")]
+    out = []
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        parts = [part for part in (artifact_path, file.relative_to(path).parent.as_posix()) if part and part != "."]
+        out.append((file, "/".join(parts)))
+    return out
 
 
 def staged_files(entry: Path, files: list[dict], tmp: Path) -> list[tuple[Path, str | None]]:
