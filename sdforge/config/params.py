@@ -116,12 +116,25 @@ class Params(Section):
                     f"phases.{name}.init_from: must be '{SCRATCH}' or an earlier phase "
                     f"{earlier}; got '{phase.init_from}'"
                 )
+            _check_learned_words_stay(name, phase, self.phases)
             earlier.append(name)
         return self
 
     def phase_names(self) -> list[str]:
         """Phases in declaration order."""
         return list(self.phases)
+
+
+def _check_learned_words_stay(name: str, phase, phases: dict) -> None:
+    """A phase may not start from a phase whose adapter learns words: the words live in the text encoder, which
+    a later phase would train and sample without (carrying them over is not built)."""
+    base = phases.get(phase.init_from)
+    if base is not None and base.adapter is not None and base.adapter.words:
+        raise ValueError(
+            f"phases.{name}.init_from: '{phase.init_from}' learns words ({base.adapter.words}) in the text "
+            f"encoder, which a later phase does not carry over; learn them in the last phase of a lineage, "
+            f"or in phases.{name} itself"
+        )
 
 
 def _key_path(loc: tuple[int | str, ...]) -> str:

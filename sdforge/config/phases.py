@@ -25,6 +25,11 @@ class Adapter(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: list[AdapterTarget] = ["self_attention"]
     """Layer groups in words (:data:`ADAPTER_TARGETS`); mapped to diffusers module names in :mod:`model.adapters`."""
+    words: list[str] = []
+    """Tokenizer words whose input-embedding row trains next to the adapter (textual inversion / pivotal tuning,
+    :mod:`model.learned_words`): each must be one token. The rows go to ``adapter*/learned_embeds.safetensors``
+    and every sampler of the phase (eval grid, ``generate``, export's ``text_encoder/``) uses them. The demo
+    learns its new colour word this way (docs/ADAPTERS.md)."""
     merge: bool = True
     """true: ``unet/`` and ``unet_ema/`` hold base + adapter merged (what the next phase, the eval grid and
     export use); false: they hold the base unchanged and the eval grid, ``generate`` and export apply
@@ -36,6 +41,13 @@ class Adapter(Section):
         if not targets or len(set(targets)) != len(targets):
             raise ValueError(f"targets must name each layer group once, at least one of {ADAPTER_TARGETS}")
         return targets
+
+    @field_validator("words")
+    @classmethod
+    def _words_distinct(cls, words: list[str]) -> list[str]:
+        if len(set(words)) != len(words) or any(not w.strip() or " " in w for w in words):
+            raise ValueError("words must be distinct single words")
+        return words
 
 
 class CaptionMix(Section):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
+from model.learned_words import LEARNED_WORDS_FILE, write_rows
 from model.sampler import decode_to_uint8, encode_prompts, latent_shape_for, sample_latents, sampling_scheduler
 from sdforge.io import InputError, load_failure
 
@@ -44,10 +46,11 @@ class Pipeline:
 
 
 def checkpoint_hash(*weights_dirs: Path) -> str:
-    """Short sha256 of a checkpoint's weight files (stamped into generated PNGs)."""
+    """Short sha256 of a checkpoint's weight files (folders: their safetensors; stamped into generated PNGs)."""
     h = hashlib.sha256()
     for weights_dir in weights_dirs:
-        for f in sorted(weights_dir.rglob("*.safetensors")):
+        files = [weights_dir] if weights_dir.is_file() else sorted(weights_dir.rglob("*.safetensors"))
+        for f in files:
             h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
@@ -99,16 +102,39 @@ def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, 
     adapter = unmerged_adapter(checkpoint_dir, use_ema)
     if adapter is not None:
         load_lora(unet, adapter)
+    text_encoder = _load(CLIPTextModel, models_dir / "text_encoder", reprepare)
+    tokenizer = _load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False)
+    words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
+    if words.is_file():
+        apply_learned_words(text_encoder, tokenizer, words)
     return Pipeline(
         unet=unet.to(dev).eval(),
         vae=_load(AutoencoderKL, models_dir / "vae", reprepare).to(dev).eval(),
-        text_encoder=_load(CLIPTextModel, models_dir / "text_encoder", reprepare).to(dev).eval(),
-        tokenizer=_load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False),
+        text_encoder=text_encoder.to(dev).eval(),
+        tokenizer=tokenizer,
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
-        checkpoint_hash=checkpoint_hash(weights, *([adapter] if adapter else [])),
+        checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, words) if p is not None and p.exists())),
         objective=state.get("objective", "diffusion"),
         flow_shift=float(state.get("flow_shift", 1.0)),
     )
+
+
+def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:
+    """Write an adapter phase's learned words (``path``: word → vector) into ``text_encoder``'s embedding rows; an
+    InputError naming the file when a word is not one token of ``tokenizer`` or a vector does not fit."""
+    try:
+        vectors = load_file(path)
+    except Exception as err:  # noqa: BLE001 - an unreadable file is the file's fault: one line
+        raise InputError(f"{path}: cannot read the learned words ({load_failure(err, with_type=True)})") from None
+    ids = [tokenizer(word, add_special_tokens=False).input_ids for word in vectors]
+    bad = [word for word, i in zip(vectors, ids, strict=True) if len(i) != 1 or i[0] == tokenizer.unk_token_id]
+    if bad:
+        raise InputError(f"{path}: {bad} not single tokens of this tokenizer (was the phase trained with another?)")
+    try:
+        write_rows(text_encoder.get_input_embeddings(), [i[0] for i in ids], list(vectors.values()))
+    except ValueError as err:
+        raise InputError(f"{path}: {err}") from None
+    log.info("%s: learned words %s written into the text encoder", path, sorted(vectors))
 
 
 def load_lora(unet, folder: Path) -> None:

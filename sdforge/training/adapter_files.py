@@ -3,7 +3,8 @@
 ``adapter/`` and ``adapter_ema/`` hold ``pytorch_lora_weights.safetensors`` in diffusers' format (keys
 ``unet.<module>.lora_A/B.weight``, and ``lora_magnitude_vector`` for DoRA), with the peft config (rank,
 alpha, DoRA) in its metadata, so ``StableDiffusionPipeline.load_lora_weights(folder)`` on the phase's base
-rebuilds the same adapter. ``unet/`` and ``unet_ema/`` are ordinary diffusers UNet folders: the base with the
+rebuilds the same adapter. A phase that learns words (``adapter.words``) adds ``learned_embeds.safetensors``
+(word → input-embedding row) to both. ``unet/`` and ``unet_ema/`` are ordinary diffusers UNet folders: the base with the
 adapter merged, or the base alone (``adapter.merge: false``).
 """
 
@@ -19,6 +20,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
+from model.learned_words import LEARNED_WORDS_FILE
 from sdforge.io import atomic_write_bytes
 from sdforge.latents.store import sorted_header
 
@@ -37,6 +39,13 @@ def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
     )
     path = folder / LORA_FILE  # its metadata map comes in hash order: same weights, other bytes each process
     atomic_write_bytes(path, sorted_header(path.read_bytes()))
+    return path
+
+
+def write_learned_words(vectors: dict[str, torch.Tensor], folder: Path) -> Path:
+    """``folder/learned_embeds.safetensors``: word → its learned input-embedding row (fp32)."""
+    path = folder / LEARNED_WORDS_FILE
+    save_file({w: v.contiguous() for w, v in vectors.items()}, path, metadata={"format": "pt"})
     return path
 
 

@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.diffusion import to_device
+from model.learned_words import LearnedWords
 from model.sampler import encode_prompts
 from sdforge.config import Train
+from sdforge.io import InputError
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +36,39 @@ class Conditioning:
         self.text_encoder = _frozen_text_encoder(models, device, text_encoder_dtype)
         self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
         self.device = device
+        self.words: LearnedWords | None = None
+        """The phase's learned words (``adapter.words``), hooked into the encoder; None: it is frozen whole."""
 
-    @torch.no_grad()
+    def learn_words(self, words: list[str], where: str) -> LearnedWords | None:
+        """Make the input-embedding rows of ``words`` trainable (:class:`model.learned_words.LearnedWords`, hooked
+        into the encoder); None for no words. An InputError naming ``where`` for a word that is not one token."""
+        if not words:
+            return None
+        token_ids = [word_token_id(self.tokenizer, word, where) for word in words]
+        embedding = self.text_encoder.get_input_embeddings()
+        self.words = LearnedWords(words, token_ids, embedding).to(self.device)
+        self.words.attach(embedding)
+        log.info("%s: learning the embedding rows of %s (token ids %s)", where, words, token_ids)
+        return self.words
+
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32)."""
-        return self.text_encoder(to_device(input_ids, self.device))[0].float()
+        """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32);
+        differentiable only through learned words' rows."""
+        with torch.set_grad_enabled(self.words is not None and torch.is_grad_enabled()):
+            return self.text_encoder(to_device(input_ids, self.device))[0].float()
+
+
+def word_token_id(tokenizer, word: str, where: str) -> int:
+    """The one token id ``tokenizer`` reads ``word`` as; an InputError naming ``where`` when it is not one token."""
+    ids = tokenizer(word, add_special_tokens=False).input_ids
+    unk = tokenizer.unk_token_id
+    if len(ids) != 1 or ids[0] == unk:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise InputError(
+            f"{where}: '{word}' is not one token of this tokenizer (it reads {pieces}); learned words must be "
+            "single tokens the tokenizer already has — pick another word"
+        )
+    return int(ids[0])
 
 
 def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):

@@ -68,7 +68,9 @@ class TrainJob(JobEvents):
         self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
         self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype)
         self.objective = params.phase_objective(phase_name)
-        self.model = build_trained_model(params, self.phase, dist, bucket_shapes=len(self.data.buckets))
+        words = self.phase.adapter.words if self.phase.adapter is not None else []
+        learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
+        self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned)
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where,

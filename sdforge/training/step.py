@@ -89,6 +89,7 @@ def train_step(job, reader: EpochReader) -> StepReport:
         losses.append(micro_step(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last))
         positions.append(batch_positions)
     state.progress.step += 1
+    job.model.reduce_outside_gradients()
     grad_norm = job.optim.step(state.progress.step)
     per_sample, grad_norm = _read_step(torch.cat(losses), grad_norm)  # the step's one device → host read
     if not torch.isfinite(per_sample).all():

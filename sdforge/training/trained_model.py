@@ -15,9 +15,10 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 
 from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
+from model.learned_words import LearnedWords
 from model.speed import compile_unet
 from sdforge.config import SCRATCH, Adapter, Params, Phase
-from sdforge.training.adapter_files import UNET_FILE, write_lora_folder, write_plain_unet
+from sdforge.training.adapter_files import UNET_FILE, write_learned_words, write_lora_folder, write_plain_unet
 from sdforge.training.checkpoints import CheckpointError
 from sdforge.training.distributed import Dist
 from sdforge.training.unet_init import load_foreign_weights, load_init_unet
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 ADAPTER_DIR, ADAPTER_WEIGHTS = "adapter", "adapter_weights.safetensors"
 """An adapter phase's checkpoint holds the trained tensors only: ``adapter/adapter_weights.safetensors``."""
+WORDS_PARAM = "learned_words.vectors"
+"""The learned words' tensor among an adapter checkpoint's trained tensors."""
 
 
 class FullUNet:
@@ -42,6 +45,9 @@ class FullUNet:
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trained weights by name, in a fixed order."""
         return [(n, p) for n, p in self.unet.named_parameters() if p.requires_grad]
+
+    def reduce_outside_gradients(self) -> None:
+        """Average over the ranks the gradients DDP does not reduce (none here: every weight is in the UNet)."""
 
     def no_sync(self, sync: bool):
         """DDP's ``no_sync()`` for a micro-batch whose gradients are not all-reduced yet (else a null context)."""
@@ -91,9 +97,37 @@ class AdapterUNet(FullUNet):
     """A LoRA/DoRA on frozen init weights: checkpoints hold its tensors only; exports are diffusers LoRA files
     plus plain UNets (merged or the base: ``adapter.merge``; :mod:`sdforge.training.adapter_files`)."""
 
-    def __init__(self, unet: torch.nn.Module, dist: Dist, spec: Adapter):
-        self.spec = spec
+    def __init__(self, unet: torch.nn.Module, dist: Dist, spec: Adapter, words: LearnedWords | None = None):
+        self.spec, self.words = spec, words
+        """``words``: the text encoder's learned rows (``adapter.words``), trained, saved and exported with it."""
         super().__init__(unet, dist)
+
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The adapter's tensors, then the learned words' vectors (``learned_words.vectors``) if any."""
+        named = super().named_trainable()
+        return named + ([(WORDS_PARAM, self.words.vectors)] if self.words is not None else [])
+
+    def parameter_counts(self) -> dict:
+        """As for a full UNet, ``trainable_params`` counting the learned words' vectors too."""
+        counts = super().parameter_counts()
+        if self.words is not None:
+            counts["trainable_params"] += self.words.vectors.numel()
+            counts["trainable_share"] = round(counts["trainable_params"] / counts["unet_params"], 6)
+        return counts
+
+    def reduce_outside_gradients(self) -> None:
+        """The learned words live in the text encoder, outside the DDP-wrapped UNet: average their gradient here
+        (after the step's last micro-batch, as DDP does for the UNet's). A step whose batches never held the words
+        gets a zero gradient, on every world size: the optimizer then steps them as it steps every other weight
+        (a None gradient would skip them on one process and not on another, and every rank joins the reduction)."""
+        if self.words is None:
+            return
+        vectors = self.words.vectors
+        if vectors.grad is None:
+            vectors.grad = torch.zeros_like(vectors)
+        if self.world > 1:
+            torch.distributed.all_reduce(vectors.grad)
+            vectors.grad /= self.world
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The trained tensors by name (the frozen base is the init's)."""
@@ -121,16 +155,20 @@ class AdapterUNet(FullUNet):
     def export(self, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
         """``out_dir/adapter_dir`` (diffusers LoRA file) and ``out_dir/unet_dir`` (plain UNet)."""
         write_lora_folder(self.unet, out_dir / adapter_dir)
+        if self.words is not None:
+            write_learned_words(self.words.as_dict(), out_dir / adapter_dir)
         write_plain_unet(self.unet, out_dir / unet_dir, merge=self.spec.merge)
 
     def describe(self) -> dict:
         return {"adapter": self.spec.model_dump()}
 
 
-def build_trained_model(params: Params, phase: Phase, dist: Dist, bucket_shapes: int = 1) -> FullUNet:
+def build_trained_model(
+    params: Params, phase: Phase, dist: Dist, bucket_shapes: int = 1, words: LearnedWords | None = None
+) -> FullUNet:
     """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
     for training (gradient checkpointing, channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
-    strategy object."""
+    strategy object; an adapter phase's learned ``words`` (the text encoder's rows) train with it."""
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
@@ -147,7 +185,7 @@ def build_trained_model(params: Params, phase: Phase, dist: Dist, bucket_shapes:
     compiled = compile_unet(unet, cfg.compile, bucket_shapes)
     if compiled:
         log.info("train.compile: %s — %d module(s) compiled at their first step", cfg.compile, compiled)
-    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter)
+    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
 
 
 def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter) -> None:

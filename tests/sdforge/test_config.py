@@ -101,6 +101,16 @@ def test_init_from_must_be_an_earlier_phase(demo_dict):
     assert "phases.phase2.init_from" in msg and "phase5" in msg
 
 
+def test_no_phase_starts_from_one_that_learns_words(demo_dict):
+    def learn_then_continue(d):
+        d["phases"]["phase2"]["adapter"] = {"rank": 2, "targets": ["cross_attention"], "words": ["orange"]}
+
+    msg = _broken(demo_dict, learn_then_continue)  # phase3 starts from phase2, which learns words
+    assert "phases.phase3.init_from" in msg and "learns words (['orange'])" in msg
+    twice = _broken(demo_dict, lambda d: d["phases"]["phase8"]["adapter"].update(words=["orange", "orange"]))
+    assert "phases.phase8.adapter.words: words must be distinct single words" in twice
+
+
 def test_missing_params_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="params file not found"):
         load_params(tmp_path / "nope.yaml")

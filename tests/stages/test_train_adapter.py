@@ -1,5 +1,5 @@
-"""train stage, adapter phases: only the adapter trains, a SIGKILLed run resumes to bitwise-equal adapter weights,
-the outputs (merged or base UNet, diffusers LoRA files), DoRA."""
+"""train stage, adapter phases: only the adapter (and its learned words) trains, a SIGKILLed run resumes to
+bitwise-equal adapter weights, the outputs (merged or base UNet, diffusers LoRA files, learned words), DoRA."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import CLIPTextModel, CLIPTokenizer
 
 from sdforge.config import load_params
 from sdforge.eval.sampling import load_pipeline
+from sdforge.io import InputError
+from sdforge.training.conditioning import word_token_id
 from tests.fixtures.training import clone_workspace, train, weights
 
-LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention"]}
+LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention"], "words": ["a"]}
+WORD_ID = 320  # "a" in the demo tokenizer; the tiny store's random token ids hold it twice
 DORA = {"type": "dora", "rank": 2, "targets": ["cross_attention"], "merge": False}
 ADAPTED = (".attn1.to_", ".attn2.to_")
 # phase2 as in test_train: 3 optimizer steps per epoch, checkpoints at steps 2, 3 (epoch end), 4, 6
@@ -26,6 +30,7 @@ RESUME_FROM = {3: 2, 4: 4, 5: 4}
 KILL_SEED = int(os.environ.get("SDFORGE_KILL_SEED", random.SystemRandom().randrange(2**31)))
 KILL_AT = random.Random(KILL_SEED).choice(sorted(RESUME_FROM))
 LORA_FILE = "pytorch_lora_weights.safetensors"
+WORDS_FILE = "learned_embeds.safetensors"
 
 
 def adapter_workspace(straight_phase1: Path, root: Path, adapter: dict) -> Path:
@@ -55,9 +60,10 @@ def test_sigkill_then_resume_gives_bitwise_equal_adapter_weights(runs):
     assert died.returncode == -9 and resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {RESUME_FROM[KILL_AT]} " in resumed.stderr, why
     for sub in ("adapter", "adapter_ema"):
-        a, b = (load_file(root / "checkpoints/phase2" / sub / LORA_FILE) for root in (straight, killed))
-        assert a.keys() == b.keys() and a, sub
-        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume ({why})"
+        for name in (LORA_FILE, WORDS_FILE):
+            a, b = (load_file(root / "checkpoints/phase2" / sub / name) for root in (straight, killed))
+            assert a.keys() == b.keys() and a, sub
+            assert all(torch.equal(a[k], b[k]) for k in a), f"{sub}/{name} differs after resume ({why})"
     for sub in ("unet", "unet_ema"):
         a, b = weights(straight, "phase2", sub), weights(killed, "phase2", sub)
         assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume ({why})"
@@ -86,10 +92,37 @@ def test_only_the_adapter_trained_and_its_share_is_reported(runs):
     with safe_open(lora_path, "pt") as f:
         config = json.loads(f.metadata()["lora_adapter_metadata"])
     assert (config["unet.r"], config["unet.lora_alpha"], config["unet.use_dora"]) == (2, 2, False)
+    assert state_words(straight) == ["a"]
     state = json.loads((straight / "checkpoints/phase2/state.json").read_text())
     # the objective the phase trained (the tiny params inherit the demo's train.objective), recorded for sampling
     want = load_params(straight / "params.yaml").phase_objective("phase2")
     assert state["adapter"]["merge"] is True and state["objective"] == want == "flow_matching"
+
+
+def state_words(root: Path) -> list[str]:
+    return json.loads((root / "checkpoints/phase2/state.json").read_text())["adapter"]["words"]
+
+
+def test_the_learned_word_trained_and_every_sampler_uses_it(runs):
+    straight = runs[0]
+    encoder = CLIPTextModel.from_pretrained(straight / "models/text_encoder")
+    base_row = encoder.get_input_embeddings().weight[WORD_ID].detach()
+    live, ema = (load_file(straight / "checkpoints/phase2" / sub / WORDS_FILE) for sub in ("adapter", "adapter_ema"))
+    assert list(live) == list(ema) == ["a"] and live["a"].shape == base_row.shape
+    assert float((live["a"] - base_row).abs().max()) > 1e-4  # the row moved
+    assert not torch.equal(live["a"], ema["a"])  # the EMA of the row is what unet_ema pairs with
+    for use_ema, want in ((True, ema), (False, live)):  # eval grid, generate and export all load through here
+        pipe = load_pipeline(straight / "models", straight / "checkpoints/phase2", use_ema=use_ema, device="cpu")
+        assert torch.equal(pipe.text_encoder.get_input_embeddings().weight[WORD_ID], want["a"])
+    plain = load_pipeline(straight / "models", straight / "checkpoints/phase1", device="cpu")
+    assert torch.equal(plain.text_encoder.get_input_embeddings().weight[WORD_ID], base_row)
+
+
+def test_a_word_that_is_not_one_token_is_refused_by_name(straight_phase1):
+    tokenizer = CLIPTokenizer.from_pretrained(straight_phase1 / "models/tokenizer")
+    assert word_token_id(tokenizer, "a", "phases.phase2.adapter.words") == WORD_ID
+    with pytest.raises(InputError, match=r"phases\.phase2\.adapter\.words: 'zebracorn' is not one token"):
+        word_token_id(tokenizer, "zebracorn", "phases.phase2.adapter.words")
 
 
 def test_dora_unmerged_keeps_the_base_and_eval_applies_the_adapter(tmp_path, straight_phase1):

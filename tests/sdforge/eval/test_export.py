@@ -162,6 +162,36 @@ def test_the_adapter_file_on_the_base_pipeline_draws_what_our_sampler_draws(expo
     assert np.abs(_ours_and_theirs(models, phase2, fused)[1].astype(int) - ours.astype(int)).max() <= 1
 
 
+def test_learned_words_reach_the_exported_text_encoder_and_it_reproduces_ours(exported, tmp_path):
+    """A phase with a learned word ("red", adapter_ema/learned_embeds.safetensors): our sampler writes it into the
+    text encoder's row, so does the export; the exported pipeline draws our pixels exactly."""
+    import shutil
+
+    from diffusers import StableDiffusionPipeline
+    from transformers import CLIPTextModel
+
+    from sdforge.io import write_json
+    from sdforge.training.adapter_files import write_learned_words
+
+    models, ckpt, _, _ = exported
+    phase = tmp_path / "words"
+    for sub in ("unet", "unet_ema"):
+        shutil.copytree(ckpt / sub, phase / sub)
+    (phase / "adapter_ema").mkdir()
+    red = CLIPTextModel.from_pretrained(models / "text_encoder").get_input_embeddings().weight[523].detach()
+    moved = red + torch.randn(red.shape, generator=torch.Generator().manual_seed(5)) * 3 * red.std()
+    write_learned_words({"red": moved}, phase / "adapter_ema")
+    write_json(phase / "state.json", {"phase": "words", "objective": "diffusion", "flow_shift": 1.0})
+    export_pipeline(models, phase, tmp_path / "sd-words")
+    exported_row = CLIPTextModel.from_pretrained(tmp_path / "sd-words/text_encoder").get_input_embeddings().weight
+    assert torch.equal(exported_row[523], moved)  # "red" is token 523 of the demo tokenizer
+    ours, theirs = _ours_and_theirs(models, phase, StableDiffusionPipeline.from_pretrained(tmp_path / "sd-words"))
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() == 0
+    base, _ = _ours_and_theirs(models, ckpt, StableDiffusionPipeline.from_pretrained(tmp_path / "sd-words"))
+    assert np.abs(ours[0].astype(int) - base[0].astype(int)).max() > 0  # the "red" prompt moved
+    assert np.array_equal(ours[1], base[1])  # the prompt without the word did not
+
+
 def test_a_flow_matching_checkpoint_exports_the_euler_sampler_and_reproduces_ours(exported, tmp_path):
     from diffusers import StableDiffusionPipeline
 

@@ -118,7 +118,7 @@ def test_an_adapter_phase_under_ddp_matches_one_process_with_double_batch(tmp_pa
     for nproc, batch in ((1, 8), (2, 4)):
         data = yaml.safe_load(params[nproc].read_text())
         data["train"]["nproc_per_node"] = nproc
-        adapter = {"rank": 2, "targets": ["self_attention", "cross_attention"]}
+        adapter = {"rank": 2, "targets": ["self_attention", "cross_attention"], "words": ["a"]}  # text encoder row
         data["phases"]["phase2"].update(batch_size=batch, lr=5e-3, adapter=adapter)
         params[nproc].write_text(yaml.safe_dump(data))
         done = train(params[nproc], "phase2")
@@ -130,3 +130,8 @@ def test_an_adapter_phase_under_ddp_matches_one_process_with_double_batch(tmp_pa
         moved = max(float(b[k].double().abs().max()) for k in b if ".lora.up." in k)  # lora_B starts at zero
         print(f"{sub}: max |2 ranks x B - 1 process x 2B| = {diff:.3g} (largest lora_B entry {moved:.3g})")
         assert moved > 1e-4 and diff <= DDP_MAX_ABS_DIFF, f"{sub}: DDP differs from the 1-process run by {diff:.3g}"
+        a, b = (load_file(roots[n] / "checkpoints/phase2" / sub / "learned_embeds.safetensors") for n in (2, 1))
+        base = load_file(roots[1] / "models/text_encoder/model.safetensors")["embeddings.token_embedding.weight"]
+        word_diff, word_moved = float((a["a"] - b["a"]).abs().max()), float((b["a"] - base[320]).abs().max())
+        print(f"{sub}: learned word: max |2 ranks - 1 process| = {word_diff:.3g} (moved {word_moved:.3g})")
+        assert word_moved > 1e-4 and word_diff <= DDP_MAX_ABS_DIFF, f"{sub}: the learned word differs under DDP"
