@@ -53,6 +53,15 @@ class LearnedWords(torch.nn.Module):
         return {w: self.vectors[i].detach().float().cpu().clone() for i, w in enumerate(self.words)}
 
 
+def single_token_id(tokenizer, word: str) -> int:
+    """The one token id ``tokenizer`` reads ``word`` as; a ValueError naming its pieces when it is not one token."""
+    ids = tokenizer(word, add_special_tokens=False).input_ids
+    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise ValueError(f"'{word}' is not one token of this tokenizer (it reads {pieces})")
+    return int(ids[0])
+
+
 @torch.no_grad()
 def write_rows(embedding: torch.nn.Embedding, token_ids: list[int], vectors: list[torch.Tensor]) -> None:
     """Copy ``vectors`` into ``embedding``'s weight rows ``token_ids`` (in its dtype and device)."""

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from model.learned_words import LEARNED_WORDS_FILE, write_rows
+from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
 from model.sampler import decode_to_uint8, encode_prompts, latent_shape_for, sample_latents, sampling_scheduler
 from sdforge.io import InputError, load_failure
 
@@ -126,14 +126,11 @@ def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:
         vectors = load_file(path)
     except Exception as err:  # noqa: BLE001 - an unreadable file is the file's fault: one line
         raise InputError(f"{path}: cannot read the learned words ({load_failure(err, with_type=True)})") from None
-    ids = [tokenizer(word, add_special_tokens=False).input_ids for word in vectors]
-    bad = [word for word, i in zip(vectors, ids, strict=True) if len(i) != 1 or i[0] == tokenizer.unk_token_id]
-    if bad:
-        raise InputError(f"{path}: {bad} not single tokens of this tokenizer (was the phase trained with another?)")
     try:
-        write_rows(text_encoder.get_input_embeddings(), [i[0] for i in ids], list(vectors.values()))
-    except ValueError as err:
-        raise InputError(f"{path}: {err}") from None
+        ids = [single_token_id(tokenizer, word) for word in vectors]
+        write_rows(text_encoder.get_input_embeddings(), ids, list(vectors.values()))
+    except ValueError as err:  # another tokenizer or text encoder than the phase trained with
+        raise InputError(f"{path}: {err} (was the phase trained with other models?)") from None
     log.info("%s: learned words %s written into the text encoder", path, sorted(vectors))
 
 

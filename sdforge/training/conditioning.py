@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.diffusion import to_device
-from model.learned_words import LearnedWords
+from model.learned_words import LearnedWords, single_token_id
 from model.sampler import encode_prompts
 from sdforge.config import Train
 from sdforge.io import InputError
@@ -60,15 +60,12 @@ class Conditioning:
 
 def word_token_id(tokenizer, word: str, where: str) -> int:
     """The one token id ``tokenizer`` reads ``word`` as; an InputError naming ``where`` when it is not one token."""
-    ids = tokenizer(word, add_special_tokens=False).input_ids
-    unk = tokenizer.unk_token_id
-    if len(ids) != 1 or ids[0] == unk:
-        pieces = tokenizer.convert_ids_to_tokens(ids)
+    try:
+        return single_token_id(tokenizer, word)
+    except ValueError as err:
         raise InputError(
-            f"{where}: '{word}' is not one token of this tokenizer (it reads {pieces}); learned words must be "
-            "single tokens the tokenizer already has — pick another word"
-        )
-    return int(ids[0])
+            f"{where}: {err}; learned words must be single tokens the tokenizer already has — pick another word"
+        ) from None
 
 
 def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
