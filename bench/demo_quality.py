@@ -43,6 +43,7 @@ from model.builders import build_unet, unet_config
 from sdforge.config import SCRATCH, Params, load_params
 from sdforge.demo.models import build_demo_text_encoder
 from sdforge.io import write_json
+from sdforge.training.reporting import read_steps
 from stages import eval_grid, mix_phase, train
 from stages.prepare_models import TEXT_ENCODER, TOKENIZER, UNCOND_EMBEDDING, save_uncond_embedding
 
@@ -185,13 +186,19 @@ def train_seed(
         raise SystemExit(f"bench.demo_quality: --from-phase {from_phase}: not a phase of {base} ({names})")
     trained = names[names.index(from_phase) :] if from_phase else names
     tags = {tag: phase for tag, phase in evaluated_phases(params).items() if phase in trained}
-    result: dict = {"seed": seed, "draw": params.models.text_encoder_seed, "train_s": 0.0, "tags": tags}
+    result: dict = {"seed": seed, "draw": params.models.text_encoder_seed, "train_s": 0.0, "val_loss_s": 0.0,
+                    "tags": tags}  # fmt: skip
     for name in trained:
         if not rescore:
             index = Path(paths.mixes) / f"{name}.parquet"
-            mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name))
+            mix_phase.run(name, params.phases[name], Path(paths.latents), index, seed, params.phase_resolution(name),
+                          params.train.held_out)  # fmt: skip
             start = time.perf_counter()
-            result[f"{name}_steps"] = train.run(params, name)["steps"]
+            metrics = train.run(params, name)
+            result[f"{name}_steps"] = metrics["steps"]
+            result["val_loss_s"] += metrics.get("val_loss_seconds", 0.0)
+            result[f"{name}_val_loss"] = [(s, r["val_loss"]) for s, r in read_steps(Path(paths.runs) / name).items()
+                                          if "val_loss" in r]  # fmt: skip
             result["train_s"] += time.perf_counter() - start
         if name not in tags.values():
             continue
@@ -235,6 +242,24 @@ def summary_table(results: list[dict], tags: dict[str, str]) -> list[str]:
             cells = " | ".join(_pct(r.get(f"{tag}_{k}")) for k in KEYS)
             rows.append(f"| {r['draw']} | {r['seed']} | {name} | {cells} | {r['train_s']:.0f} |")
     return rows
+
+
+def val_loss_fields(results: list[dict]) -> dict:
+    """Issue 41's validation-loss figures: in how many runs phase 1's validation loss fell from its first to its
+    last measurement (and at every measurement), and its time as a share of the training time (median)."""
+    curves = [r.get("phase1_val_loss") or [] for r in results]
+    curves = [[v for _, v in c] for c in curves if len(c) > 1]
+    for r in results:
+        if curve := r.get("phase1_val_loss"):
+            print(f"seed {r['seed']} text encoder {r['draw']}: phase1 val loss " +
+                  " ".join(f"{s}:{v:.4f}" for s, v in curve))  # fmt: skip
+    monotone = sum(all(b < a for a, b in zip(c, c[1:], strict=False)) for c in curves)
+    return {
+        "phase1_val_loss_falls": f"{sum(c[-1] < c[0] for c in curves)}/{len(curves)}",
+        "phase1_val_loss_falls_every_time": f"{monotone}/{len(curves)}",
+        "val_loss_share_median": _stat([{"x": r["val_loss_s"] / r["train_s"]} for r in results if r["train_s"]],
+                                       "x", statistics.median),  # fmt: skip
+    }
 
 
 def _pct(value: float | None) -> str:
@@ -294,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         min(r[f"{tag}_probe_truth_colour"], r[f"{tag}_probe_truth_shape"]) for r in results for tag in tags
     )
     fields["train_s_median"] = _stat(results, "train_s", statistics.median)
+    fields.update(val_loss_fields(results))
     fields["load_avg"] = f"{load_before} -> {load_average()}"
     fields["machine"] = machine()
     print(result_line("demo_quality", ratio, **fields))

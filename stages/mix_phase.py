@@ -5,6 +5,10 @@ key`` pointing into the latent store at the phase's resolution (``phases.<p>.res
 ``${paths.latents}/<source>/<resolution>/``) — no copies, no symlinks. The same seed gives the same
 index on any machine (its SHA-256, :func:`index_digest`, is logged to MLflow; a test pins one). A source
 too small for its share is an error unless the phase says ``with_replacement: true``.
+
+Before drawing, ``train.held_out`` samples of each source are split off (the same keys in every phase:
+:func:`sdforge.latents.mix.split_held_out`) into ``<phase>.held_out.parquet`` (same columns), which the train
+stage's validation loss reads and no phase trains on.
 """
 
 from __future__ import annotations
@@ -20,14 +24,11 @@ import polars as pl
 
 from sdforge.config import Params, Phase
 from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
-from sdforge.latents.mix import split_counts
+from sdforge.latents.mix import BUCKET_COLUMNS, held_out_path, index_columns, split_counts, split_held_out
 from sdforge.latents.store import MANIFEST, resolution_dir
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
-
-BUCKET_COLUMNS = ("bucket_width", "bucket_height")
-
 
 def requested_counts(phase_name: str, phase: Phase) -> dict[str, int]:
     """Samples asked of each source: the mix's counts, or its fractions of ``samples``; none may be 0."""
@@ -63,19 +64,12 @@ def build_index(phase_name: str, phase: Phase, manifests: dict[str, pl.DataFrame
             raise InputError(f"phases.{phase_name}: source '{source}' has no samples in its latent store")
         if count > available and not phase.with_replacement:
             raise InputError(
-                f"phases.{phase_name}: source '{source}' has {available} samples but the mix asks for "
-                f"{count}; lower phases.{phase_name}.samples or set phases.{phase_name}.with_replacement: true"
+                f"phases.{phase_name}: source '{source}' has {available} samples to train on but the mix asks "
+                f"for {count}; lower phases.{phase_name}.samples (or train.held_out, the samples held out of "
+                f"every source) or set phases.{phase_name}.with_replacement: true"
             )
         picks = rng.choice(available, size=count, replace=phase.with_replacement)
-        parts.append(
-            manifest[picks].select(
-                pl.lit(source).alias("source"),
-                pl.col("shard").cast(pl.Int64),
-                *(pl.col(c).cast(pl.Int32) for c in BUCKET_COLUMNS),
-                pl.col("row").cast(pl.Int64),
-                "key",
-            )
-        )
+        parts.append(index_columns(manifest[picks], source))
     index = pl.concat(parts)
     return index[rng.permutation(index.height)]
 
@@ -99,13 +93,18 @@ def read_manifest(latents_dir: Path, source: str, resolution: str) -> pl.DataFra
     return manifest
 
 
-def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int, resolution: str) -> dict:
-    """Write the phase index parquet; return requested vs obtained composition and per-bucket metrics."""
+def run(
+    phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int, resolution: str, held_out: int = 0
+) -> dict:
+    """Write the phase index parquet and its held-out companion; return requested vs obtained composition,
+    held-out and per-bucket metrics."""
     manifests = {source: read_manifest(latents_dir, source, resolution) for source in phase.mix}
+    manifests, held = split_held_out(manifests, held_out)
     index = build_index(phase_name, phase, manifests, seed)
-    buf = io.BytesIO()
-    index.write_parquet(buf)
-    atomic_write_bytes(out_path, buf.getvalue())
+    for frame, path in ((index, out_path), (held, held_out_path(out_path))):
+        buf = io.BytesIO()
+        frame.write_parquet(buf)
+        atomic_write_bytes(path, buf.getvalue())
     obtained = dict(index.group_by("source").len().iter_rows())
     requested = requested_counts(phase_name, phase)
     metrics: dict = {"samples": index.height, "unique_samples": index.unique(["source", "key"]).height}
@@ -117,6 +116,8 @@ def run(phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: 
         metrics[f"requested.{source}"] = requested[source]
         metrics[f"samples.{source}"] = n
         metrics[f"available.{source}"] = manifests[source].height
+        metrics[f"held_out.{source}"] = held.filter(pl.col("source") == source).height
+    metrics["held_out"] = held.height
     for bw, bh, n in index.group_by(*BUCKET_COLUMNS).len().sort(BUCKET_COLUMNS).iter_rows():
         metrics[f"bucket.{bw}x{bh}"] = n
     return metrics
@@ -151,6 +152,7 @@ def run_stage(params: Params, phase_name: str) -> dict:
         Path(params.paths.mixes) / f"{phase_name}.parquet",
         params.train.seed,
         params.phase_resolution(phase_name),
+        params.train.held_out,
     )
 
     digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))

@@ -121,6 +121,11 @@ def test_latents_per_resolution_and_bucket(project):
 def test_mix_composition(project):
     m = metrics(project, "mix_phase", "phase2")
     assert m["samples"] == 48 and m["samples.laion"] == 24 and m["samples.concept"] == 24
+    assert (m["held_out"], m["held_out.laion"], m["held_out.concept"]) == (8, 4, 4)  # tiny demo: train.held_out 4
+    held_out = pl.read_parquet(project / "data/mixes/phase2.held_out.parquet")
+    index = pl.read_parquet(project / "data/mixes/phase2.parquet")
+    pairs = {(s, k) for s, k in index.select("source", "key").iter_rows()}
+    assert held_out.height == 8 and not {(s, k) for s, k in held_out.select("source", "key").iter_rows()} & pairs
     concept = yaml.safe_load((project / "params.yaml").read_text())["demo"]["concept"]
     assert metrics(project, "fetch_images", "concept")["successes"] == concept["images"]
 
@@ -195,13 +200,16 @@ def test_phase_parent_run_summarises_its_stages(project):
     got = parent.data.metrics
     assert got["train.final_loss"] == train["final_loss"] and got["train.steps"] == train["steps"]
     assert got["train.mean_loss"] == train["mean_loss"] and got["mix_phase.samples"] == mix["samples"]
+    assert got["train.final_val_loss"] == train["final_val_loss"] and train["val_loss_samples"] == 8
     assert got["eval_grid.shape_agreement_seen"] == ev["shape_agreement_seen"]
     assert parent.data.params["phase.init_from"] == "phase1" and "phase.lr" in parent.data.params
     note = parent.data.tags["mlflow.note.content"]
     assert note.index("**Data**") < note.index("**Training**") < note.index("**Weights**") < note.index("**Eval**")
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"grid.png", "strips"}
     curve = (project / "metrics/train_loss/phase2.csv").read_text().splitlines()
-    assert curve[0] == "step,loss,lr" and len(curve) == 1 + train["steps"]
+    assert curve[0] == "step,loss,lr,val_loss" and len(curve) == 1 + train["steps"]
+    measured = [int(line.split(",")[0]) for line in curve[1:] if line.split(",")[3]]  # val_loss_every 2 + the end
+    assert measured == sorted({*range(2, train["steps"] + 1, 2), train["steps"]})
     (data,) = client.search_runs([exp.experiment_id], "tags.`sdforge.parent` = 'data'")
     filtered = metrics(project, "filter_metadata", "laion")
     assert data.data.metrics["filter_metadata.laion.rows_out"] == filtered["rows_out"]
@@ -222,6 +230,8 @@ def test_report_compares_the_phases_and_is_logged(project):
     (report,) = client.search_runs([exp.experiment_id], "tags.`sdforge.parent` = 'report'")
     assert {a.path for a in client.list_artifacts(report.info.run_id)} == {"report.html", "loss.png", "strips"}
     assert report.data.metrics["report.phase2.final_loss"] == metrics(project, "train", "phase2")["final_loss"]
+    val = metrics(project, "train", "phase2")["final_val_loss"]
+    assert "<th>val loss</th>" in page and report.data.metrics["report.phase2.final_val_loss"] == val
 
 
 def test_mlflow_ui_pages_in_a_browser(project, tmp_path):

@@ -33,7 +33,7 @@ def shrink(params: dict, port: int) -> dict:
         "phase2": {**params["phases"]["phase8"], "init_from": "phase1", "samples": 48, "epochs": 1,
                    "batch_size": 16, "warmup_steps": 1},
     }
-    params["train"].update(save_steps=3, log_every=1)
+    params["train"].update(save_steps=3, log_every=1, held_out=4, val_loss_every=2)
     prompts = params["eval"]["prompts"]
     if isinstance(prompts, dict):  # categories (the demo: seen, held_out, concept): two prompts of each
         prompts = {name: texts[:2] for name, texts in prompts.items()}

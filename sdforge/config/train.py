@@ -22,6 +22,10 @@ class TrainingRecipe(Section):
     dropped for the epoch, or carried to the front of that bucket in the next epoch."""
     objective: Literal["diffusion", "flow_matching"] = "diffusion"
     """The default of ``phases.<p>.objective`` (one key switches every phase that does not set its own)."""
+    held_out: int = Field(0, ge=0)
+    """Samples of every source that ``mix_phase`` splits off and no phase trains on: the same keys in every phase
+    (:func:`sdforge.latents.mix.held_out_keys`), written to ``<phase>.held_out.parquet`` for the validation loss
+    (``val_loss_every``). 0: no held-out set, no validation loss."""
 
 
 class OptimizerSettings(Section):
@@ -112,6 +116,14 @@ class ReportingSettings(Section):
     """Every N optimizer steps (0: never) sample the first ``validation_prompts`` eval prompts with the
     EMA weights and log a captioned grid to MLflow as ``validation/step-NNNNNNNN.png``."""
     validation_prompts: int = Field(4, ge=1)
+    val_loss_every: int = Field(0, ge=0)
+    """The validation loss on the phase's held-out samples (``held_out``), EMA weights, every N optimizer steps
+    and at the phase's end (0: at the end only): the objective's unweighted MSE at ``val_loss_timesteps`` fixed
+    noise levels with fixed noise per sample (:mod:`model.held_out_loss`, docs/EVAL.md)."""
+    val_loss_timesteps: int = Field(8, ge=1)
+    """Noise levels of the validation loss, evenly spaced: ``(k + 0.5) / K`` (σ, or that fraction of T)."""
+    val_loss_batch: int = Field(32, ge=1)
+    """Held-out samples per forward pass of the validation loss."""
     progress_bar: bool = True
     """tqdm bar with ETA on the main rank."""
 

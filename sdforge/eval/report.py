@@ -38,6 +38,7 @@ COLUMNS = (
     ("steps", "train", "steps", "{:,.0f}"),
     ("final loss", "train", "final_loss", "{:.4f}"),
     ("mean loss", "train", "mean_loss", "{:.4f}"),
+    ("val loss", "train", "final_val_loss", "{:.4f}"),
     ("train s", "train", "seconds", "{:,.0f}"),
     ("samples/s", "train", "samples_per_s", "{:,.1f}"),
     ("colour seen", "eval_grid", "colour_agreement_seen", "{:.0%}"),
@@ -62,6 +63,8 @@ class PhaseResults:
     """``mix_phase`` / ``train`` / ``eval_grid`` → that stage's metrics JSON (absent when not written yet)."""
     curve: list[tuple[int, float]] = field(default_factory=list)
     """``(step, loss)`` of every optimizer step."""
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    """``(step, val_loss)`` at every validation-loss step (``train.val_loss_every`` and the phase's end)."""
     strips: dict[str, Path] = field(default_factory=dict)
     """Eval category → its strip image."""
 
@@ -84,6 +87,7 @@ def read_phase(name: str, config: dict, metrics_dir: Path, eval_dir: Path, categ
         if path.is_file():
             result.metrics[source] = json.loads(path.read_text())
     result.curve = read_curve(loss_curve_path(metrics_dir, name))
+    result.val_curve = read_curve(loss_curve_path(metrics_dir, name), "val_loss")
     for category in categories:
         strip = eval_dir / name / "strips" / f"{category}.png"
         if strip.is_file():
@@ -91,31 +95,42 @@ def read_phase(name: str, config: dict, metrics_dir: Path, eval_dir: Path, categ
     return result
 
 
-def read_curve(path: Path) -> list[tuple[int, float]]:
-    """``(step, loss)`` rows of a ``step,loss,lr`` CSV; [] when the file does not exist."""
+def read_curve(path: Path, column: str = "loss") -> list[tuple[int, float]]:
+    """``(step, value)`` rows of a ``step,loss,lr[,val_loss]`` CSV's ``column``, rows without a value skipped;
+    [] when the file does not exist."""
     if not path.is_file():
         return []
     with path.open(newline="", encoding="utf-8") as f:
-        return [(int(row["step"]), float(row["loss"])) for row in csv.DictReader(f)]
+        return [(int(row["step"]), float(row[column])) for row in csv.DictReader(f) if row.get(column)]
 
 
 def loss_figure(phases: list[PhaseResults]):
-    """Every phase's loss on one chart, on a shared step axis: each phase starts where the previous ended."""
-    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
-    offset = 0
+    """Every phase's training loss on one chart, on a shared step axis (each phase starts where the previous
+    ended), and below it on the same axis the validation loss where it was measured."""
+    with_val = any(p.val_curve for p in phases)
+    fig, axes = plt.subplots(2 if with_val else 1, 1, figsize=(10, 6.4 if with_val else 3.6), dpi=100, sharex=True,
+                             squeeze=False)  # fmt: skip
+    ax, offset = axes[0][0], 0
     for i, phase in enumerate(p for p in phases if p.curve):
         steps = [offset + s for s, _ in phase.curve]
         losses = [loss for _, loss in phase.curve]
         colour = f"C{i % 10}"
         ax.plot(steps, losses, color=colour, alpha=0.25, linewidth=0.8)
         ax.plot(steps, moving_average(losses), color=colour, linewidth=1.6, label=phase.name)
-        ax.axvline(offset, color="grey", linewidth=0.6, linestyle=":")
+        for a in axes[:, 0]:
+            a.axvline(offset, color="grey", linewidth=0.6, linestyle=":")
+        if phase.val_curve:
+            axes[1][0].plot([offset + s for s, _ in phase.val_curve], [v for _, v in phase.val_curve], "o-",
+                            color=colour, markersize=3, linewidth=1.2, label=phase.name)  # fmt: skip
         offset = steps[-1]
-    ax.set_xlabel("optimizer step (all phases, in order)")
     ax.set_ylabel("training loss")
-    ax.grid(alpha=0.3)
-    if offset:
-        ax.legend(ncol=min(7, len(phases)), fontsize=8, loc="upper right")
+    axes[-1][0].set_xlabel("optimizer step (all phases, in order)")
+    if with_val:
+        axes[1][0].set_ylabel("validation loss (held-out, EMA)")
+    for a in axes[:, 0]:
+        a.grid(alpha=0.3)
+        if offset:
+            a.legend(ncol=min(7, len(phases)), fontsize=8, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -243,6 +258,9 @@ def render_html(title: str, phases: list[PhaseResults], loss_png: bytes | None, 
         f"<code>metrics/</code>{PROBE_NOTE if probed else ''}.</p>",
         f'<div class="scroll">{table_html(phases)}</div>',
         "<h2>Training loss</h2>",
+        "<p>Below the training loss, where measured: the validation loss of the EMA weights on held-out samples at "
+        "fixed noise levels (<code>train.held_out</code>, <code>train.val_loss_every</code>).</p>"
+        if any(p.val_curve for p in phases) else "",
         _img(loss_png, "loss curves of all phases") if loss_png else "<p>No loss curve yet.</p>",
     ]
     for category, data in strips.items():

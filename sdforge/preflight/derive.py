@@ -90,9 +90,16 @@ def _local_models(models: dict[str, Any], project_root: Path) -> dict[str, Any]:
     return models
 
 
+PREFLIGHT_HELD_OUT = 2
+"""Held-out samples per source in the preflight (at most ``train.held_out``): the validation loss runs once per
+phase, at its end, on these (its full-size cost is forecast from the measured seconds per sample)."""
+
+
 def _train(train: dict[str, Any], shrink: Shrink) -> dict[str, Any]:
-    """No checkpoint upload; ``shrink.nproc`` processes on one node."""
+    """No checkpoint upload; ``shrink.nproc`` processes on one node; a small held-out set measured at phase ends."""
     train = copy.deepcopy(train)
+    train["held_out"] = min(int(train.get("held_out", 0)), PREFLIGHT_HELD_OUT)
+    train["val_loss_every"] = 0
     train["checkpoint_s3"] = None
     train["nproc_per_node"] = shrink.nproc
     train["nnodes"] = 1
@@ -149,10 +156,12 @@ def _eval(eval_: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def samples_needed(params: dict[str, Any]) -> dict[str, int]:
-    """Per source, the most rows any phase of ``params`` draws from it (what its sample must hold)."""
+    """Per source, the most rows any phase of ``params`` draws from it plus ``train.held_out`` (what its sample
+    must hold)."""
+    held_out = int(params.get("train", {}).get("held_out", 0))
     need: dict[str, int] = {name: 0 for name in params.get("sources", {})}
     for phase in params.get("phases", {}).values():
         total = int(phase["samples"])
         for source, fraction in phase["mix"].items():
-            need[source] = max(need.get(source, 0), int(-(-total * float(fraction) // 1)))
+            need[source] = max(need.get(source, 0), held_out + int(-(-total * float(fraction) // 1)))
     return need

@@ -38,6 +38,7 @@ FILTERED_SECTIONS = {"train": Train, "phases.${key}": Phase}
 
 INPUT_FILES = {
     "index": "${paths.mixes}/${key}.parquet",
+    "held_out": "${paths.mixes}/${key}.held_out.parquet",
     "init": "${paths.checkpoints}/${item.init_from}",
     "models": "${paths.models}",
     "latents": "${paths.latents}",
@@ -112,12 +113,14 @@ def resolve(template: str, params: Params, phase_name: str) -> Path:
 
 
 def input_digests(params: Params, phase_name: str) -> dict[str, str]:
-    """sha256 per :data:`INPUT_FILES` entry: file bytes (index, init, models) or shard identities (latents)."""
+    """sha256 per :data:`INPUT_FILES` entry: file bytes (index, held_out, init, models) or shard identities
+    (latents)."""
     index = resolve(INPUT_FILES["index"], params, phase_name)
     models = resolve(INPUT_FILES["models"], params, phase_name)
     latents = resolve(INPUT_FILES["latents"], params, phase_name)
     return {
         "index": tree_digest(index),
+        "held_out": tree_digest(resolve(INPUT_FILES["held_out"], params, phase_name)),
         "init": tree_digest(resolve(INPUT_FILES["init"], params, phase_name)),
         "models": tree_digest(*(models / name for name in MODEL_FILES)),
         "latents": latent_shards_digest(index, latents, params.phase_resolution(phase_name)),

@@ -26,6 +26,7 @@ from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.reporting import StepRecordHook
 from sdforge.training.results import export_results, leave_process_group, phase_metrics
 from sdforge.training.run_dir import keep_global_batch, open_run_dir, stale_metrics
+from sdforge.training.val_loss import ValLossHook
 from sdforge.training.validation import ValidationHook
 from sdforge.training.watchdog import WatchdogHook, check_ranks_agree
 
@@ -81,6 +82,7 @@ def default_hooks(job, run_dir: Path, notice: PreemptionNotice, manager, extra: 
         LedgerHook(),
         PreemptionHook(notice, manager, cfg.preempt_grace_s, run_dir),
         WatchdogHook(cfg.hang_timeout_s, run_dir),
+        ValLossHook(job.params, job.phase_name) if cfg.held_out else None,
         StepRecordHook(run_dir, cfg.progress_bar) if main else None,
         ValidationHook(job.params, run_dir) if cfg.validation_every else None,
         *extra,

@@ -25,7 +25,8 @@ from sdforge.training.preemption import Preempted
 
 STEP_FILE = "steps.jsonl"
 """In the run dir: one JSON line per optimizer step (``step``, ``loss``, ``lr``, ``grad_norm``, ``step_time_s``,
-``data_wait_s``, ``samples``, ``sources``), appended by the main rank and flushed each step. A resumed run
+``data_wait_s``, ``samples``, ``sources``; at a validation-loss step also ``val_loss*``,
+:mod:`~sdforge.training.val_loss`), appended by the main rank and flushed each step. A resumed run
 appends the steps it redoes after the checkpoint again: the last line of a step is the one that counts
 (:func:`read_steps`)."""
 
@@ -33,7 +34,9 @@ STEP_METRICS = ("loss", "lr", "grad_norm", "step_time_s", "data_wait_s", "sample
 """Logged every ``train.log_every`` optimizer steps (plus ``gpu_mem_max_allocated_gb`` on CUDA)."""
 PARENT_STEP_METRICS = ("loss", "lr")
 """Also logged on the phase's parent run (as ``train.loss``, ``train.lr``), so its page charts the curve."""
-HEADLINE = ("final_loss", "mean_loss", "steps", "samples", "seconds", "samples_per_s")
+PARENT_VAL_METRICS = ("val_loss",)
+"""A hook's step figures also logged on the phase's parent run (``train.val_loss``)."""
+HEADLINE = ("final_loss", "final_val_loss", "mean_loss", "steps", "samples", "seconds", "samples_per_s")
 """The run's figures copied onto the phase's parent run."""
 END_REASON_TAG = "sdforge.end_reason"
 """On a train run that did not finish: why (preempted, hung, or the error), beside status KILLED or FAILED."""
@@ -68,7 +71,8 @@ class StepRecordHook(Hook):
         )
 
     def after_step(self, job, report) -> None:
-        self.file.write(json.dumps({"step": report.step, **step_stats(job, report)}, sort_keys=True) + "\n")
+        record = {"step": report.step, **step_stats(job, report), **report.metrics}
+        self.file.write(json.dumps(record, sort_keys=True) + "\n")
         self.file.flush()
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{report.loss:.4f}")
@@ -124,6 +128,10 @@ class TrackingHook(Hook):
         self.window.append(stats)
         for path, folder in report.artifacts:
             self.mlflow.log_artifact(str(path), folder)
+        if report.metrics:
+            self.mlflow.log_metrics(report.metrics, step=report.step)
+            summarise(self.mlflow, metrics={k: report.metrics[k] for k in PARENT_VAL_METRICS if k in report.metrics},
+                      step=report.step)  # fmt: skip
         if report.step % self.every == 0:
             self._log_window(report.step, stats["lr"])
 
@@ -242,13 +250,15 @@ def read_steps(run_dir: Path) -> dict[int, dict]:
 
 
 def write_loss_curve(run_dir: Path, path: Path) -> float | None:
-    """Write the phase's step log (the last record of each step, :func:`read_steps`) as ``step,loss,lr`` CSV at
-    ``path``; return the mean loss over those steps (None when there are none)."""
+    """Write the phase's step log (the last record of each step, :func:`read_steps`) as ``step,loss,lr,val_loss``
+    CSV at ``path`` (``val_loss`` empty where it was not measured); return the mean loss over those steps (None
+    when there are none)."""
     steps = read_steps(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="", encoding="utf-8") as f:
         out = csv.writer(f)
-        out.writerow(("step", "loss", "lr"))
-        out.writerows((step, f"{r['loss']:.6g}", f"{r['lr']:.6g}") for step, r in steps.items())
+        out.writerow(("step", "loss", "lr", "val_loss"))
+        out.writerows((step, f"{r['loss']:.6g}", f"{r['lr']:.6g}", f"{r['val_loss']:.6g}" if "val_loss" in r else "")
+                      for step, r in steps.items())  # fmt: skip
     losses = [r["loss"] for r in steps.values()]
     return round(sum(losses) / len(losses), 6) if losses else None

@@ -45,6 +45,8 @@ class StepReport:
     """A hook works long after this step (validation): the other ranks wait for it in the next step."""
     artifacts: list = field(default_factory=list)
     """``(file, artifact folder)`` pairs a hook wrote for the tracking hook to log."""
+    metrics: dict = field(default_factory=dict)
+    """Figures a hook measured at this step (the validation loss): in the step record and MLflow at this step."""
 
     @property
     def per_sample(self) -> torch.Tensor:

@@ -35,7 +35,8 @@ CONCERNS = Train.__bases__
 LaunchSettings, ResilienceSettings."""
 TRAIN_NONE = {
     "save_steps", "keep_last", "keep_every", "keep_best", "checkpoint_s3", "async_checkpoint",
-    "log_every", "validation_every", "validation_prompts", "progress_bar",
+    "log_every", "validation_every", "validation_prompts", "val_loss_every", "val_loss_timesteps", "val_loss_batch",
+    "progress_bar",
     "preempt_grace_s", "hang_timeout_s",
 }  # fmt: skip
 TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint"}

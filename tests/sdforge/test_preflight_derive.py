@@ -86,10 +86,12 @@ def test_eval_keeps_one_prompt_per_category_and_two_steps():
 
 
 def test_samples_needed_covers_every_phase_draw():
-    need = samples_needed(derived(steps=2, batch_size=4))  # 8 samples per phase (12 for phase7)
-    assert need["laion"] == 8 and need["laion_hq"] == 8  # phase1: 1.0 of 8; phase2: 1.0 of 8
-    assert need["journeydb"] == 5  # phase3: 0.58 × 8 = 4.64 → 5
-    assert need["coco"] == 8
+    params = derived(steps=2, batch_size=4)  # 8 samples per phase (12 for phase7), 2 held out of each source
+    need = samples_needed(params)
+    assert params["train"]["held_out"] == 2 and params["train"]["val_loss_every"] == 0
+    assert need["laion"] == 10 and need["laion_hq"] == 10  # phase1: 1.0 of 8; phase2: 1.0 of 8; + 2
+    assert need["journeydb"] == 7  # phase3: 0.58 × 8 = 4.64 → 5; + 2
+    assert need["coco"] == 10
 
 
 def test_forecast_projects_from_the_measured_rates():
@@ -105,8 +107,9 @@ def test_forecast_projects_from_the_measured_rates():
     by_stage = {r.stage: r for r in rows}
     assert [r.stage for r in rows] == ["prepare_models", "fetch_images", "encode_latents", "train"]
     fetch = by_stage["fetch_images"]  # assumed rates: 1,000 img/s per 16-core pod, scaled to 2 cores here
-    assert fetch.rate == pytest.approx(125.0) and fetch.full_work == totals["full_images_fetched"] == 2_329_280
-    assert fetch.pod_hours == pytest.approx(round(2_329_280 / 1000 / 3600, 2))
+    fetched = 2_329_280 + 6 * 256  # the phases' draws + train.held_out of each of the 6 sources
+    assert fetch.rate == pytest.approx(125.0) and fetch.full_work == totals["full_images_fetched"] == fetched
+    assert fetch.pod_hours == pytest.approx(round(fetched / 1000 / 3600, 2))
     train = by_stage["train"]
     assert train.rate == pytest.approx(1 / 25)  # first step of each phase dropped
     assert train.full_work == full_train_samples(FULL) == 28_545_948

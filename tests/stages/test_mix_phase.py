@@ -66,7 +66,7 @@ def test_index_composition_and_determinism():
 
 def test_too_few_samples_is_a_clear_error():
     manifests = {"a": _manifest("a", 10), "b": _manifest("b", 90)}
-    with pytest.raises(InputError, match="source 'a' has 10 samples but the mix asks for 37.*with_replacement"):
+    with pytest.raises(InputError, match="'a' has 10 samples to train on but the mix asks for 37.*with_replacement"):
         build_index("phase7", _phase(), manifests, seed=0)
 
 
@@ -168,7 +168,7 @@ def test_a_source_rounded_to_zero_samples_is_an_error():
 
 def test_counts_beyond_a_source_need_replacement():
     manifests = _golden_manifests()
-    with pytest.raises(InputError, match="source 'coco' has 37 samples but the mix asks for 50"):
+    with pytest.raises(InputError, match="source 'coco' has 37 samples to train on but the mix asks for 50"):
         build_index("p", _phase(mix={"laion": 50, "coco": 50}, samples=100), manifests, seed=0)
     index = build_index("p", _phase(mix={"laion": 50, "coco": 50}, samples=100, with_replacement=True), manifests, 0)
     coco = index.filter(pl.col("source") == "coco")
@@ -209,3 +209,36 @@ def test_unreadable_or_short_manifest_is_an_input_error_naming_the_file(tmp_path
     pl.DataFrame({"key": ["x"], "shard": [0], **bucket}).write_parquet(path)
     with pytest.raises(InputError, match=r"sq/manifest.parquet: lacks column\(s\) \['row'\]; re-run encode_latents@a"):
         read_manifest(tmp_path, "a", RES)
+
+
+def test_held_out_samples_are_the_same_in_every_phase_and_never_in_an_index(tmp_path):
+    """train.held_out: each source's keys of lowest SHA-256(source/key) go to <phase>.held_out.parquet, in every
+    phase alike."""
+    _write(tmp_path / "lat", "a", _manifest("a", 80))
+    _write(tmp_path / "lat", "b", _manifest("b", 90))
+    out = tmp_path / "mix"
+    first = run("p1", _phase(samples=60), tmp_path / "lat", out / "p1.parquet", seed=3, resolution=RES, held_out=5)
+    run("p2", _phase(mix={"b": 1.0}, samples=40), tmp_path / "lat", out / "p2.parquet", seed=9, resolution=RES,
+        held_out=5)  # fmt: skip
+    held1, held2 = pl.read_parquet(out / "p1.held_out.parquet"), pl.read_parquet(out / "p2.held_out.parquet")
+    def digest(source, key):
+        return hashlib.sha256(f"{source}/{key}".encode()).digest()
+
+    by_digest = {s: sorted((f"{s}{i:04d}" for i in range(n)), key=lambda k, s=s: digest(s, k))
+                 for s, n in (("a", 80), ("b", 90))}  # fmt: skip
+    expected = {s: sorted(keys[:5]) for s, keys in by_digest.items()}
+    assert {s: sorted(held1.filter(pl.col("source") == s)["key"]) for s in "ab"} == expected
+    assert sorted(held2["key"]) == expected["b"] and held2.columns == held1.columns
+    index = pl.read_parquet(out / "p1.parquet")
+    assert not set(index["key"]) & set(held1["key"]) and index.height == 60
+    assert (first["held_out"], first["held_out.a"], first["held_out.b"]) == (10, 5, 5)
+    assert (first["available.a"], first["available.b"]) == (75, 85)
+
+
+def test_holding_out_a_whole_source_is_refused_by_key(tmp_path):
+    _write(tmp_path / "lat", "a", _manifest("a", 6))
+    with pytest.raises(InputError, match="train.held_out = 6: source 'a' has only 6 samples"):
+        run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0,
+            resolution=RES, held_out=6)  # fmt: skip
+    run("p", _phase(mix={"a": 1.0}, samples=5), tmp_path / "lat", tmp_path / "p.parquet", seed=0, resolution=RES)
+    assert pl.read_parquet(tmp_path / "p.held_out.parquet").height == 0  # held_out 0: an empty companion

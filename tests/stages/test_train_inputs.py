@@ -23,6 +23,7 @@ CHANGES = {
         "save_steps": 3, "keep_last": 1, "keep_every": 2, "keep_best": False, "checkpoint_s3": "S3",
         "async_checkpoint": "off",
         "log_every": 3, "validation_every": 2, "validation_prompts": 2, "progress_bar": False,
+        "val_loss_every": 2, "val_loss_timesteps": 4, "val_loss_batch": 8,  # measured: test_train_val_loss.py
         "preempt_grace_s": 40.0, "hang_timeout_s": 900.0,
         "rdzv_endpoint": "127.0.0.1:29999",  # a job-shape key that one process can change (no launch)
     },

@@ -46,9 +46,9 @@ def test_shipped_canvases():
     demo = load_params(REPO_PARAMS).demo
     assert demo.canvas_sizes == CANVASES
     cycle = CanvasCycle(demo)
-    assert Counter(cycle.next() for _ in range(demo.laion_rows)) == {size: 160 for size in CANVASES}
+    assert Counter(cycle.next() for _ in range(demo.laion_rows)) == {size: 168 for size in CANVASES}  # 504: thirds
     cycle = CanvasCycle(demo)
-    assert Counter(cycle.next() for _ in range(demo.archive_images)) == {size: 64 for size in CANVASES}
+    assert Counter(cycle.next() for _ in range(demo.archive_images)) == {size: 72 for size in CANVASES}  # 216
 
 
 def test_corpus_holds_each_canvas_and_rows_state_the_served_size(corpus):

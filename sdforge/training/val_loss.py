@@ -1,0 +1,159 @@
+"""The validation loss during training: the EMA weights on the phase's held-out samples (``train.held_out``,
+split off by ``mix_phase``), every ``train.val_loss_every`` steps and at the phase's end.
+
+Each held-out sample keeps one noise tensor for the whole run, seeded from ``train.seed`` and its (source, key),
+and is noised at the same ``train.val_loss_timesteps`` fixed levels (:mod:`model.held_out_loss`), so every
+measurement of a phase — and of any phase at the same resolution — sees identical inputs. The EMA weights are
+swapped in and back out exactly and no global RNG is drawn, so a run with the validation loss trains
+bit-identically to one without. It runs on the main rank; the others wait for it in the next step.
+
+Reported per source (``val_loss.<source>``), per level (``val_loss.t<fraction>``) and overall (``val_loss``):
+in the step record, as MLflow step metrics, and at the end as ``final_val_loss*`` with its cost
+(``val_loss_seconds``, ``val_loss_measurements``). docs/EVAL.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from model.held_out_loss import fixed_fractions, held_out_losses
+from model.precision import uses_bf16_autocast
+from model.speed import attention_context
+from sdforge.config import Params
+from sdforge.latents.loader import LatentIndexDataset
+from sdforge.latents.mix import held_out_path
+from sdforge.training.hooks import Hook
+
+log = logging.getLogger(__name__)
+
+
+def sample_noise_seed(seed: int, source: str, key: str) -> int:
+    """The seed of one held-out sample's noise: stable across phases, processes and machines."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{source}/{key}".encode()).digest()[:8], "little") >> 1
+
+
+class HeldOutLoss:
+    """The held-out samples of one phase, in fixed batches (one bucket each) with their fixed noise."""
+
+    def __init__(self, data: LatentIndexDataset, keys: list[str], seed: int, points: int, batch_size: int):
+        self.data, self.fractions = data, fixed_fractions(points)
+        self.batches: list[np.ndarray] = []
+        for bucket in range(len(data.buckets)):
+            positions = np.flatnonzero(data.sample_bucket == bucket)
+            self.batches += [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+        shapes = {b: data.latent_shapes[b] for b in range(len(data.buckets))}
+        self.noise = [
+            torch.stack([
+                torch.randn(shapes[int(data.sample_bucket[p])], generator=torch.Generator().manual_seed(
+                    sample_noise_seed(seed, data.sources[data.source_code[p]], keys[p])))
+                for p in batch.tolist()
+            ])
+            for batch in self.batches
+        ]  # fmt: skip
+
+    @classmethod
+    def for_phase(cls, params: Params, phase_name: str) -> HeldOutLoss | None:
+        """The phase's held-out set from ``<phase>.held_out.parquet``; None when it has no sample."""
+        path = held_out_path(Path(params.paths.mixes) / f"{phase_name}.parquet")
+        if params.train.held_out == 0 or not path.is_file():
+            return None
+        keys = pq.read_table(path, columns=["key"]).column("key").to_pylist()
+        if not keys:
+            return None
+        data = LatentIndexDataset(path, Path(params.paths.latents), params.phase_resolution(phase_name))
+        cfg = params.train
+        return cls(data, keys, cfg.seed, cfg.val_loss_timesteps, cfg.val_loss_batch)
+
+    def measure(self, job) -> dict[str, float]:
+        """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights."""
+        unet, ema, trainable, dev = job.model.unet, job.optim.ema, job.model.trainable, job.dist.device
+        job.optim.settle()  # a background checkpoint may still be copying the live weights
+        ema.store(trainable)
+        ema.copy_to(trainable)
+        unet.eval()
+        try:
+            losses = torch.cat([self._batch_losses(job, unet, b, dev) for b in range(len(self.batches))]).cpu()
+        finally:
+            unet.train()
+            ema.restore(trainable)
+        return self._summary(losses.double())
+
+    def _batch_losses(self, job, unet, b: int, dev: torch.device) -> torch.Tensor:
+        latents, input_ids = self.data.gather(self.batches[b])
+        bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
+        with torch.no_grad(), attention_context(job.attention):
+            cond = job.conditioning.encode(input_ids)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                return held_out_losses(unet, latents.to(dev), cond, self.noise[b].to(dev), self.fractions,
+                                       objective=job.objective, scheduler=job.conditioning.scheduler)  # fmt: skip
+
+    def _summary(self, losses: torch.Tensor) -> dict[str, float]:
+        order = np.concatenate(self.batches)
+        codes = torch.from_numpy(self.data.source_code[order].astype(np.int64))
+        out = {"val_loss": float(losses.mean())}
+        for code, source in enumerate(self.data.sources):
+            mine = losses[codes == code]
+            if mine.numel():
+                out[f"val_loss.{source}"] = float(mine.mean())
+        for k, fraction in enumerate(self.fractions.tolist()):
+            out[f"val_loss.t{fraction:.2f}"] = float(losses[:, k].mean())
+        return out
+
+
+class ValLossHook(Hook):
+    """Measures :class:`HeldOutLoss` on the main rank every ``train.val_loss_every`` steps and at the last step,
+    puts it on the step's report (``report.metrics``) and, at the end, into the phase's metrics."""
+
+    def __init__(self, params: Params, phase_name: str):
+        self.params, self.phase_name = params, phase_name
+        self.every = params.train.val_loss_every
+        self.held_out: HeldOutLoss | None = None
+        self.last: tuple[int, dict] | None = None
+        self.seconds, self.measurements = 0.0, 0
+
+    def start(self, job) -> None:
+        if job.dist.is_main:
+            self.held_out = HeldOutLoss.for_phase(self.params, self.phase_name)
+            if self.held_out is not None:
+                log.info("validation loss: %d held-out samples x %d levels, every %s step(s) and at the end",
+                         len(self.held_out.data), len(self.held_out.fractions), self.every or "no")  # fmt: skip
+
+    def due(self, step: int, total: int) -> bool:
+        """Whether optimizer step ``step`` of ``total`` is measured."""
+        return step == total or (self.every > 0 and step % self.every == 0)
+
+    def busy_after(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def after_step(self, job, report) -> None:
+        if self.held_out is not None and self.due(report.step, job.plan.total_steps):
+            report.metrics.update(self._measure(job, report.step))
+
+    def end(self, job) -> None:
+        step = job.state.progress.step
+        if self.held_out is not None and (self.last is None or self.last[0] != step):
+            self._measure(job, step)  # a run resumed after its last step: the end is still measured
+
+    def _measure(self, job, step: int) -> dict:
+        start = time.perf_counter()
+        with job.busy("val_loss"):
+            metrics = self.held_out.measure(job)
+        self.seconds += time.perf_counter() - start
+        self.measurements += 1
+        self.last = (step, metrics)
+        log.info("step %d: val_loss %.5f (%.1f s)", step, metrics["val_loss"], time.perf_counter() - start)
+        return metrics
+
+    def finish(self, job, metrics: dict) -> None:
+        if self.last is None:
+            return
+        metrics.update({f"final_{k}": round(v, 6) for k, v in self.last[1].items()})
+        metrics.update(val_loss_seconds=round(self.seconds, 2), val_loss_measurements=self.measurements,
+                       val_loss_samples=len(self.held_out.data))  # fmt: skip
