@@ -25,6 +25,11 @@ draws): the phases before it are not retrained (their checkpoints are reused) an
 scored — minutes instead of ~20 to measure a change of the adapter phase over all six runs. ``--rescore``
 trains nothing: it samples and scores the work dirs' checkpoints again, for an ``eval`` setting's change
 (``--set eval.guidance_scale=5``).
+
+Issue 41's validation loss (``train.held_out``, ``train.val_loss_every``): each run prints phase 1's validation
+loss at every measurement, and the RESULT line adds ``phase1_val_loss_falls`` (runs whose last measurement is
+below the first), ``phase1_val_loss_falls_every_time`` and ``val_loss_share_median`` (its seconds ÷ the
+training seconds).
 """
 
 from __future__ import annotations

@@ -45,6 +45,16 @@ class EmaSettings(Section):
     """Update the EMA every N optimizer steps (with decay adjusted for the N steps)."""
     ema_device: Literal["model", "cpu"] = "model"
     """Where the EMA weights live: with the model (GPU), or on CPU to save GPU memory."""
+    posthoc_sigma_rels: list[Annotated[float, Field(gt=0, lt=0.2886)]] = []
+    """Post-hoc EMA (EDM2, :mod:`model.posthoc_ema`): the relative widths of the power-function EMAs tracked while
+    training (EDM2: ``[0.05, 0.10]``; at least two), beside the fixed-decay EMA and where it lives. [] : off. At the
+    phase's end each of ``posthoc_candidates`` is rebuilt from the snapshots and scored, with the fixed EMA, by
+    the validation loss (``held_out`` > 0 needed); the best is exported as ``unet_ema/`` (docs/EVAL.md)."""
+    posthoc_snapshots: int = Field(8, ge=2)
+    """Snapshots of the tracked EMAs per phase, evenly spaced in its steps (the last at its end); each holds every
+    tracked EMA in fp32, in the run dir's ``posthoc/``."""
+    posthoc_candidates: list[Annotated[float, Field(gt=0, lt=0.2886)]] = [0.025, 0.05, 0.075, 0.1, 0.15, 0.2]
+    """The σ_rel rebuilt and scored at a phase's end."""
 
 
 class PrecisionSettings(Section):
@@ -185,3 +195,14 @@ class Train(
     :func:`sdforge.config.keys_by_effect` lists every key's effect."""
 
     EFFECT = Effect.WEIGHTS  # not CheckpointSettings' NONE, which the MRO would find first; no key is declared here
+
+    @model_validator(mode="after")
+    def _posthoc_needs_two_profiles_and_a_held_out_set(self) -> Train:
+        if not self.posthoc_sigma_rels:
+            return self
+        if len(set(self.posthoc_sigma_rels)) < 2:
+            raise ValueError("train.posthoc_sigma_rels: track at least two distinct σ_rel (EDM2: [0.05, 0.10]), or []")
+        if self.held_out == 0:
+            raise ValueError("train.posthoc_sigma_rels: the rebuilt EMAs are scored by the validation loss; set "
+                             "train.held_out > 0 (samples of every source held out of training)")  # fmt: skip
+        return self

@@ -9,6 +9,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from model.diffusion import TrainingEMA, build_lr_scheduler
+from model.posthoc_ema import PowerEMAs
 from sdforge.config import Phase, Train
 from sdforge.training.optimizers import build_optimizer
 
@@ -31,6 +32,8 @@ class Optimization:
             model_config=unet_config,
         )
         self.ema.to(self.ema_device)
+        self.posthoc = PowerEMAs(trainable, cfg.posthoc_sigma_rels, self.ema_device) if cfg.posthoc_sigma_rels else None
+        """The post-hoc EMA's tracked profiles (``train.posthoc_sigma_rels``), updated every step."""
         self.snapshot_read: Callable[[], None] | None = None
         """Set while a background checkpoint still copies the weights, optimizer and EMA state (a CPU run,
         :mod:`sdforge.training.async_checkpoint`): :meth:`settle` waits for it before anything changes them."""
@@ -58,6 +61,8 @@ class Optimization:
         self.optimizer.zero_grad(set_to_none=True)
         if step % self.cfg.ema_update_every == 0:
             self.ema.step(self.trainable)
+        if self.posthoc is not None:
+            self.posthoc.update(self.trainable, step)
         return grad_norm
 
     def lr(self) -> float:
@@ -65,17 +70,22 @@ class Optimization:
         return self.lr_scheduler.get_last_lr()[0]
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "ema": self.ema.state_dict(),
         }
+        if self.posthoc is not None:
+            state["posthoc_ema"] = self.posthoc.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.ema.load_state_dict(state["ema"])
         self.ema.to(self.ema_device)
+        if self.posthoc is not None:
+            self.posthoc.load_state_dict(state["posthoc_ema"])
 
     def release(self) -> None:
         """Free the optimizer's moments (before an export: no memory beyond training's)."""

@@ -22,6 +22,7 @@ from sdforge.training.hooks import CheckpointHook, FaultInjectionHook, Hook, Hoo
 from sdforge.training.inputs import phase_inputs
 from sdforge.training.job import TrainJob
 from sdforge.training.loop import train_loop
+from sdforge.training.posthoc import PosthocEmaHook
 from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.reporting import StepRecordHook
 from sdforge.training.results import export_results, leave_process_group, phase_metrics
@@ -83,6 +84,7 @@ def default_hooks(job, run_dir: Path, notice: PreemptionNotice, manager, extra: 
         PreemptionHook(notice, manager, cfg.preempt_grace_s, run_dir),
         WatchdogHook(cfg.hang_timeout_s, run_dir),
         ValLossHook(job.params, job.phase_name) if cfg.held_out else None,
+        PosthocEmaHook(job.params, job.phase_name, run_dir) if cfg.posthoc_sigma_rels else None,
         StepRecordHook(run_dir, cfg.progress_bar) if main else None,
         ValidationHook(job.params, run_dir) if cfg.validation_every else None,
         *extra,

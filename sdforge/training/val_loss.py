@@ -71,18 +71,19 @@ class HeldOutLoss:
         cfg = params.train
         return cls(data, keys, cfg.seed, cfg.val_loss_timesteps, cfg.val_loss_batch)
 
-    def measure(self, job) -> dict[str, float]:
-        """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights."""
-        unet, ema, trainable, dev = job.model.unet, job.optim.ema, job.model.trainable, job.dist.device
+    def measure(self, job, weights: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights, or of
+        ``weights`` (one tensor per trainable parameter); the live weights are put back bit for bit."""
+        unet, trainable, dev = job.model.unet, job.model.trainable, job.dist.device
         job.optim.settle()  # a background checkpoint may still be copying the live weights
-        ema.store(trainable)
-        ema.copy_to(trainable)
+        live = [p.detach().clone() for p in trainable]
+        _copy_into(trainable, job.optim.ema.shadow_params if weights is None else weights)
         unet.eval()
         try:
             losses = torch.cat([self._batch_losses(job, unet, b, dev) for b in range(len(self.batches))]).cpu()
         finally:
             unet.train()
-            ema.restore(trainable)
+            _copy_into(trainable, live)
         return self._summary(losses.double())
 
     def _batch_losses(self, job, unet, b: int, dev: torch.device) -> torch.Tensor:
@@ -105,6 +106,12 @@ class HeldOutLoss:
         for k, fraction in enumerate(self.fractions.tolist()):
             out[f"val_loss.t{fraction:.2f}"] = float(losses[:, k].mean())
         return out
+
+
+@torch.no_grad()
+def _copy_into(params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> None:
+    for p, t in zip(params, tensors, strict=True):
+        p.copy_(t.to(p.device, p.dtype))
 
 
 class ValLossHook(Hook):

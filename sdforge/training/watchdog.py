@@ -261,6 +261,8 @@ class WatchdogHook(Hook):
         job.busy_listeners.append(self._busy)
 
     def _busy(self, name: str, started: bool) -> None:
+        if self.watchdog is None:  # after the last step (a hook's end: post-hoc EMA, validation loss)
+            return
         if started:
             self.watchdog.long_operation()
         else:

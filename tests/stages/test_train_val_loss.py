@@ -6,9 +6,10 @@ import json
 import sqlite3
 
 import pytest
+import yaml
 
 from sdforge.training.reporting import read_steps
-from tests.fixtures.training import build_workspace, edit_params, train, untrained_clone, weights
+from tests.fixtures.training import DDP_MAX_ABS_DIFF, build_workspace, edit_params, train, untrained_clone, weights
 
 HELD_OUT = 16
 """Of the tiny store's 48 samples: the phases train on the other 32 (2 steps of 16 per epoch, 2 epochs)."""
@@ -53,3 +54,22 @@ def test_val_loss_every_n_steps_and_at_the_end_and_it_changes_no_weight(workspac
     again = {s: r for s, r in read_steps(other.parent / "runs" / "phase1").items() if "val_loss" in r}
     assert sorted(again) == [1, 2, 3, 4] and again[4]["val_loss"] == last["val_loss"]  # same inputs, same value
     assert again[3]["val_loss"] == measured[3]["val_loss"]
+
+
+def test_two_ranks_measure_on_the_main_rank_and_agree_with_one(workspace, tmp_path):
+    """DDP: rank 0 measures while rank 1 waits in the next step (no hang); the values match one process's."""
+    one = untrained_clone(workspace.parent, tmp_path / "one")
+    edit_params(one, "train", val_loss_every=2)
+    two = untrained_clone(workspace.parent, tmp_path / "two")
+    data = yaml.safe_load(two.read_text())
+    data["train"].update(nproc_per_node=2, val_loss_every=2)
+    data["phases"]["phase1"]["batch_size"] = 4  # 4 × accumulation 2 × 2 ranks: the same global batch 16
+    two.write_text(yaml.safe_dump(data))
+    for params in (one, two):
+        done = train(params, "phase1")
+        assert done.returncode == 0, done.stderr[-3000:]
+    curves = [{s: r["val_loss"] for s, r in read_steps(p.parent / "runs" / "phase1").items() if "val_loss" in r}
+              for p in (one, two)]  # fmt: skip
+    assert sorted(curves[0]) == sorted(curves[1]) == [2, 4]
+    for step in (2, 4):  # the EMA weights agree to DDP_MAX_ABS_DIFF, so does a mean of squared errors
+        assert curves[1][step] == pytest.approx(curves[0][step], abs=DDP_MAX_ABS_DIFF)
