@@ -96,10 +96,12 @@ phase, at its end, on these (its full-size cost is forecast from the measured se
 
 
 def _train(train: dict[str, Any], shrink: Shrink) -> dict[str, Any]:
-    """No checkpoint upload; ``shrink.nproc`` processes on one node; a small held-out set measured at phase ends."""
+    """No checkpoint upload; ``shrink.nproc`` processes on one node; a small held-out set measured at phase ends;
+    no post-hoc EMA (its memory and disk are forecast from the full config instead)."""
     train = copy.deepcopy(train)
     train["held_out"] = min(int(train.get("held_out", 0)), PREFLIGHT_HELD_OUT)
     train["val_loss_every"] = 0
+    train["posthoc_sigma_rels"] = []  # two more fp32 UNets do not fit beside SD1.5's training in 24 GiB; forecast only
     train["checkpoint_s3"] = None
     train["nproc_per_node"] = shrink.nproc
     train["nnodes"] = 1

@@ -109,6 +109,33 @@ def full_optimizer_steps(full: dict[str, Any], gpus: int) -> int:
     return total
 
 
+def full_val_loss_forwards(full: dict[str, Any], gpus: int) -> int:
+    """Held-out sample forward passes of the full run's validation losses: per phase, ``held_out × its sources ×
+    val_loss_timesteps`` per measurement, one every ``val_loss_every`` steps and one at the end (main rank)."""
+    train = full.get("train", {})
+    held_out, every, points = int(train.get("held_out", 0)), int(train.get("val_loss_every", 0)), int(
+        train.get("val_loss_timesteps", 8))
+    total = 0
+    for p in full.get("phases", {}).values() if held_out else []:
+        steps = math.ceil(int(p["samples"]) * int(p["epochs"]) / (int(p["batch_size"]) * int(p.get("grad_accum", 1))
+                                                                  * gpus))  # fmt: skip
+        measurements = (steps // every if every else 0) + (0 if every and steps % every == 0 else 1)
+        total += held_out * len(p["mix"]) * points * measurements
+    return total
+
+
+def posthoc_ema_cost(full: dict[str, Any], unet_params: int | None) -> dict[str, float] | None:
+    """The post-hoc EMA's extra memory (its fp32 tracked EMAs) and run-dir disk per phase (its snapshots), GiB;
+    None when ``train.posthoc_sigma_rels`` is off or the UNet's size is unknown."""
+    train = full.get("train", {})
+    profiles = len(train.get("posthoc_sigma_rels") or [])
+    if not profiles or not unet_params:
+        return None
+    copy = unet_params * 4 / GIB
+    return {"memory_gib": round(profiles * copy, 2),
+            "disk_per_phase_gib": round(profiles * copy * int(train.get("posthoc_snapshots", 8)), 1)}  # fmt: skip
+
+
 def full_eval_unet_calls(full: dict[str, Any]) -> int:
     """UNet evaluations of every phase's eval grid (prompts × steps, ×2 with classifier-free guidance)."""
     ev = full.get("eval", {})
@@ -171,6 +198,11 @@ def forecast(
         "pod": asdict(pod),
         "peak_rss_gib": round(max((r.peak_rss_bytes for r in runs), default=0) / GIB, 2),
     }
+    forwards = full_val_loss_forwards(full, pod.gpus)
+    totals["val_loss_forwards"] = forwards
+    totals["val_loss_pod_hours"] = round(forwards / (3 * pod.train_img_s) / 3600, 2)  # one GPU; forward ~3x a step
+    unet_params = next((int(r.metrics["unet_params"]) for r in runs if r.metrics.get("unet_params")), None)
+    totals["posthoc_ema"] = posthoc_ema_cost(full, unet_params)
     return rows, totals
 
 
@@ -246,6 +278,14 @@ def table(rows: list[Row], totals: dict[str, Any], device: str) -> str:
         f"{totals['pod_hours']} h on the pod = {totals['pod_gpu_hours']} GPU-hours ≈ "
         f"${totals['pod_cost']:,.0f} at ${pod['price_per_gpu_hour']}/GPU-hour (assumed figures, not measured)"
     )
+    lines.append(
+        f"validation loss: {totals.get('val_loss_forwards', 0):,} held-out forward passes ≈ "
+        f"{totals.get('val_loss_pod_hours', 0)} h on the main GPU (the others wait; assumed 3x the training rate)"
+    )
+    posthoc = totals.get("posthoc_ema")
+    lines.append("post-hoc EMA: off" if not posthoc else
+                 f"post-hoc EMA: {posthoc['memory_gib']} GiB more per rank (tracked EMAs, fp32), "
+                 f"{posthoc['disk_per_phase_gib']} GiB of snapshots per phase in the run dir")  # fmt: skip
     return "\n".join(lines)
 
 

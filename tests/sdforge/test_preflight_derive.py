@@ -18,6 +18,8 @@ from sdforge.preflight.forecast import (
     full_images,
     full_optimizer_steps,
     full_train_samples,
+    full_val_loss_forwards,
+    posthoc_ema_cost,
     table,
 )
 
@@ -89,6 +91,7 @@ def test_samples_needed_covers_every_phase_draw():
     params = derived(steps=2, batch_size=4)  # 8 samples per phase (12 for phase7), 2 held out of each source
     need = samples_needed(params)
     assert params["train"]["held_out"] == 2 and params["train"]["val_loss_every"] == 0
+    assert params["train"]["posthoc_sigma_rels"] == []  # forecast only: no room for two more UNets on a CPU
     assert need["laion"] == 10 and need["laion_hq"] == 10  # phase1: 1.0 of 8; phase2: 1.0 of 8; + 2
     assert need["journeydb"] == 7  # phase3: 0.58 × 8 = 4.64 → 5; + 2
     assert need["coco"] == 10
@@ -122,6 +125,26 @@ def test_forecast_projects_from_the_measured_rates():
     assert totals["pod_cost"] == pytest.approx(round(totals["pod_hours"] * 2 * 2.0, 0), abs=1)
     text = table(rows, totals, "cpu")
     assert text.count("\n| ") == 4 and "assumed figures" in text
+    assert totals["posthoc_ema"] is None and "post-hoc EMA: off" in text  # no train run named the UNet's size
+
+
+def test_validation_loss_and_posthoc_ema_are_forecast_from_the_full_config():
+    tiny = {"train": {"held_out": 10, "val_loss_every": 4, "val_loss_timesteps": 8},
+            "phases": {"a": {"samples": 64, "epochs": 1, "batch_size": 8, "mix": {"x": 0.5, "y": 0.5}},
+                       "b": {"samples": 32, "epochs": 1, "batch_size": 8, "mix": {"x": 1.0}}}}  # fmt: skip
+    # a: 8 steps on 1 GPU -> measured at 4 and 8 (the end); b: 4 steps -> at 4
+    assert full_val_loss_forwards(tiny, 1) == 10 * 2 * 8 * 2 + 10 * 1 * 8 * 1
+    tiny["train"]["val_loss_every"] = 0  # only at the ends
+    assert full_val_loss_forwards(tiny, 1) == 10 * 2 * 8 + 10 * 8
+    assert posthoc_ema_cost(FULL, None) is None and FULL["train"]["posthoc_sigma_rels"] == [0.05, 0.10]
+    cost = posthoc_ema_cost(FULL, 859_520_964)  # SD1.5's UNet: two fp32 copies, 8 snapshots of both
+    assert cost == {"memory_gib": round(2 * 859_520_964 * 4 / 2**30, 2),
+                    "disk_per_phase_gib": round(16 * 859_520_964 * 4 / 2**30, 1)}  # fmt: skip
+    runs = [StageRun("train@phase1", 100.0, 18 * 1024**3, {"world_size": 1, "unet_params": 859_520_964},
+                     steps=[(40.0, 1), (25.0, 1)])]  # fmt: skip
+    rows, totals = forecast(runs, FULL, derived(), Pod(), cpus=2)
+    assert totals["posthoc_ema"] == cost and totals["val_loss_forwards"] == full_val_loss_forwards(FULL, 2) > 0
+    assert f"{cost['disk_per_phase_gib']} GiB of snapshots per phase" in table(rows, totals, "cpu")
 
 
 def test_captioning_is_projected_only_for_recaptioned_sources():
