@@ -37,7 +37,7 @@ def test_val_loss_every_n_steps_and_at_the_end_and_it_changes_no_weight(workspac
     assert (metrics["val_loss_samples"], metrics["val_loss_measurements"]) == (HELD_OUT, 2)
     with (root / "metrics" / "train_loss" / "phase1.csv").open() as f:
         curve = {int(r["step"]): r["val_loss"] for r in csv.DictReader(f)}
-    assert [s for s, v in curve.items() if v] == [3, 4] and float(curve[4]) == pytest.approx(last["val_loss"])
+    assert [s for s, v in curve.items() if v] == [3, 4] and float(curve[4]) == pytest.approx(last["val_loss"], rel=1e-5)
     with sqlite3.connect(root / "mlflow.db") as db:
         rows = db.execute("select step, value from metrics where key = 'val_loss' order by step").fetchall()
         parent = db.execute("select step from metrics where key = 'train.val_loss' order by step").fetchall()
