@@ -53,6 +53,29 @@ def test_fid_is_zero_against_itself_and_the_mean_shift_against_a_shifted_set(inc
     assert same["fid"] == pytest.approx(0.0, abs=1e-6)
 
 
+def _with_moments(n: int, mean: np.ndarray, cov: np.ndarray, seed: int) -> np.ndarray:
+    """``n`` samples whose sample mean and (N-1) covariance are exactly ``mean`` and ``cov``."""
+    x = np.random.default_rng(seed).standard_normal((n, len(mean)))
+    x -= x.mean(0)
+    x = x @ np.linalg.inv(np.linalg.cholesky(np.cov(x, rowvar=False))).T  # whitened: covariance I
+    return x @ np.linalg.cholesky(cov).T + mean
+
+
+def test_fid_of_two_gaussians_is_their_frechet_distance():
+    """Two Gaussians with known moments: ‖μa − μb‖² + Tr(Σa + Σb − 2(Σa Σb)^½), by hand for commuting
+    covariances (both diagonal in one rotated basis: (Σa Σb)^½ has eigenvalues √(λa λb))."""
+    rotation, _ = np.linalg.qr(np.random.default_rng(7).standard_normal((4, 4)))
+    la, lb = np.array([1.0, 2.0, 0.5, 3.0]), np.array([4.0, 0.5, 0.5, 1.0])
+    mu_a, mu_b = np.array([0.0, 1.0, -1.0, 2.0]), np.array([1.0, 1.0, 0.0, 0.0])
+    a = _with_moments(500, mu_a, rotation @ np.diag(la) @ rotation.T, seed=1)
+    b = _with_moments(400, mu_b, rotation @ np.diag(lb) @ rotation.T, seed=2)
+    by_hand = ((mu_a - mu_b) ** 2).sum() + (la + lb - 2 * np.sqrt(la * lb)).sum()
+    assert by_hand == pytest.approx(6 + 12.5 - 2 * (2 + 1 + 0.5 + 3**0.5), rel=1e-12)  # = 8.0359
+    assert frechet_distance(a, b) == pytest.approx(by_hand, rel=1e-9)
+    assert frechet_distance(b, a) == pytest.approx(by_hand, rel=1e-9)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_missing_paths_skip_and_name_the_key(tmp_path):
     imgs = _images(2, seed=1)
     got = image_metrics(imgs, ["a", "b"], ["c", "c"], str(tmp_path / "nope"), None, None, 10)
