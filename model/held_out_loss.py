@@ -42,16 +42,15 @@ def held_out_losses(
 ) -> torch.Tensor:
     """``[B, K]`` per-sample, per-level MSE of the UNet's prediction against the objective's target
     (flow matching: ``ε − x0`` at σ = fraction; diffusion: ε or v at ``⌊fraction · T⌋``), fp32 on the device."""
-    steps = scheduler.config.num_train_timesteps
+    steps, batch = scheduler.config.num_train_timesteps, latents.shape[0]
     out = []
-    for fraction in fractions.tolist():
+    for fraction, timestep in zip(fractions.tolist(), fixed_timesteps(fractions, steps).tolist(), strict=True):
         if objective == "flow_matching":
-            sigma = torch.full((latents.shape[0],), fraction, device=latents.device)
+            sigma = torch.full((batch,), fraction, device=latents.device)
             x_t, target = interpolate(latents, noise, sigma), noise - latents
             t = sigma * steps
         else:
-            t = torch.full((latents.shape[0],), int(fixed_timesteps(torch.tensor([fraction]), steps)),
-                           dtype=torch.long, device=latents.device)  # fmt: skip
+            t = torch.full((batch,), timestep, dtype=torch.long, device=latents.device)
             x_t, target = scheduler.add_noise(latents, noise, t), training_target(scheduler, latents, noise, t)
         pred = unet(x_t, t, encoder_hidden_states=cond).sample
         out.append(diffusion_loss(pred, target, None, reduce=False))

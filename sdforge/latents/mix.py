@@ -1,5 +1,5 @@
-"""How a phase's mix fractions become sample counts, and which samples are held out (used by ``mix_phase`` and the
-preflight's params)."""
+"""How a phase's mix fractions become sample counts (``mix_phase``, the preflight's params) and which samples are
+held out of every phase and where they are listed (``mix_phase``, the train stage's validation loss)."""
 
 from __future__ import annotations
 

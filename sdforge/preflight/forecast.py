@@ -100,13 +100,15 @@ def full_train_samples(full: dict[str, Any]) -> int:
     return sum(int(p["samples"]) * int(p["epochs"]) for p in full.get("phases", {}).values())
 
 
+def phase_steps(phase: dict[str, Any], gpus: int) -> int:
+    """Optimizer steps of one phase with ``gpus`` processes."""
+    per_step = int(phase["batch_size"]) * int(phase.get("grad_accum", 1)) * gpus
+    return math.ceil(int(phase["samples"]) * int(phase["epochs"]) / per_step)
+
+
 def full_optimizer_steps(full: dict[str, Any], gpus: int) -> int:
     """Optimizer steps of the full run with ``gpus`` processes."""
-    total = 0
-    for p in full.get("phases", {}).values():
-        per_step = int(p["batch_size"]) * int(p.get("grad_accum", 1)) * gpus
-        total += math.ceil(int(p["samples"]) * int(p["epochs"]) / per_step)
-    return total
+    return sum(phase_steps(p, gpus) for p in full.get("phases", {}).values())
 
 
 def full_val_loss_forwards(full: dict[str, Any], gpus: int) -> int:
@@ -117,8 +119,7 @@ def full_val_loss_forwards(full: dict[str, Any], gpus: int) -> int:
         train.get("val_loss_timesteps", 8))
     total = 0
     for p in full.get("phases", {}).values() if held_out else []:
-        steps = math.ceil(int(p["samples"]) * int(p["epochs"]) / (int(p["batch_size"]) * int(p.get("grad_accum", 1))
-                                                                  * gpus))  # fmt: skip
+        steps = phase_steps(p, gpus)
         measurements = (steps // every if every else 0) + (0 if every and steps % every == 0 else 1)
         total += held_out * len(p["mix"]) * points * measurements
     return total
