@@ -44,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from bench._common import load_average, machine, result_line
+from bench._ema_study import chosen_name, study
 from model.builders import build_unet, unet_config
 from sdforge.config import SCRATCH, Params, load_params
 from sdforge.demo.models import build_demo_text_encoder
@@ -167,11 +168,12 @@ def use_text_encoder_draw(base: Path, params: Params, work: Path) -> Params:
 
 def train_seed(
     base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=(), draw=None, from_phase=None,
-    rescore: bool = False,
+    rescore: bool = False, ema_study: bool = True,
 ) -> dict:
     """Mix, train and evaluate every phase for one train seed (and text-encoder ``draw``: None keeps params'); the
     probe figures of :func:`evaluated_phases`. ``from_phase``: continue the work dir from that phase; ``rescore``:
-    train nothing, sample and score the work dir's checkpoints again (an eval setting's change)."""  # fmt: skip
+    train nothing, sample and score the work dir's checkpoints again (an eval setting's change); ``ema_study``: when
+    the base phase chose a post-hoc EMA in this call, :func:`bench._ema_study.study` it."""  # fmt: skip
     work = out / (f"seed-{seed}" if draw is None else f"text-encoder-{draw}/seed-{seed}")
     if from_phase is None and not rescore:
         shutil.rmtree(work, ignore_errors=True)
@@ -201,6 +203,7 @@ def train_seed(
             start = time.perf_counter()
             metrics = train.run(params, name)
             result[f"{name}_steps"] = metrics["steps"]
+            result[f"{name}_posthoc"] = "posthoc_ema.snapshots" in metrics and chosen_name(metrics)
             result["val_loss_s"] += metrics.get("val_loss_seconds", 0.0)
             result[f"{name}_val_loss"] = [(s, r["val_loss"]) for s, r in read_steps(Path(paths.runs) / name).items()
                                           if "val_loss" in r]  # fmt: skip
@@ -212,6 +215,8 @@ def train_seed(
         )
         for tag in (t for t, phase in tags.items() if phase == name):
             result.update({f"{tag}_{k}": grid.get(k) for k in (*KEYS, "probe_truth_colour", "probe_truth_shape")})
+        if ema_study and name == tags.get("base") and result.get(f"{name}_posthoc"):
+            result["study"] = study(params, name, result[f"{name}_posthoc"])
     log.info("seed %d, text encoder %d: %s", seed, result["draw"], result)
     return result
 
@@ -267,6 +272,25 @@ def val_loss_fields(results: list[dict]) -> dict:
     }
 
 
+def ema_study_fields(results: list[dict]) -> dict:
+    """Issue 41's post-hoc EMA figures: per run, each candidate's and earlier phase's validation loss and probe score
+    (printed); on the RESULT line the runs whose chosen EMA probes no worse than the fixed one, and the median rank
+    correlations (validation loss vs probe) over the candidates, the phases and both."""
+    studied = [r for r in results if r.get("study")]
+    if not studied:
+        return {}
+    for r in studied:
+        s = r["study"]
+        rows = " ".join(f"{x['kind'][0]}:{x['name']}={x['val_loss']:.4f}/{x['probe']:.3f}" for x in s["rows"])
+        print(f"seed {r['seed']} text encoder {r['draw']}: chosen {s['chosen']} "
+              f"(probe {s['chosen_minus_fixed']:+.3f} vs fixed); rho candidates {s['rho_candidates']:.2f} "
+              f"phases {s['rho_phases']:.2f} all {s['rho_all']:.2f}; val_loss/probe {rows}")  # fmt: skip
+    fields = {"posthoc_no_worse": f"{sum(r['study']['chosen_minus_fixed'] >= 0 for r in studied)}/{len(studied)}"}
+    for key in ("rho_candidates", "rho_phases", "rho_all"):
+        fields[f"{key}_median"] = _stat([r["study"] for r in studied], key, statistics.median)
+    return fields
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f} %"
 
@@ -294,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="continue an earlier invocation's work dirs from PHASE (earlier phases not retrained)")
     parser.add_argument("--rescore", action="store_true",
                         help="train nothing: sample and score an earlier invocation's checkpoints again (eval --set)")
+    parser.add_argument("--no-ema-study", dest="ema_study", action="store_false",
+                        help="skip scoring the base phase's post-hoc EMA candidates and earlier phases on the probe")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -302,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     draws = [None] if args.quick else args.text_encoder_seeds or default_draws(args.params)
     out = args.out.resolve()
     results = [
-        train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore)
+        train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore,
+                   args.ema_study)
         for d in draws
         for s in seeds
     ]
@@ -325,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     fields["train_s_median"] = _stat(results, "train_s", statistics.median)
     fields.update(val_loss_fields(results))
+    fields.update(ema_study_fields(results))
     fields["load_avg"] = f"{load_before} -> {load_average()}"
     fields["machine"] = machine()
     print(result_line("demo_quality", ratio, **fields))

@@ -74,6 +74,10 @@ class Phase(Section):
     """Sample the phase's eval grid. False: its ``eval_grid`` stage still runs (the DAG and the flows keep one per
     phase) but only records that it was not sampled: the demo samples phases 0, 7 and the adapter (phases 1-6 look
     like phase 7) and saves the sampling on the others (issue 40)."""
+    posthoc_ema: bool = True
+    """With ``train.posthoc_sigma_rels`` set: this phase tracks the power-function EMAs, and its exported
+    ``unet_ema/`` is the candidate the validation loss picks (docs/EVAL.md). False: the fixed-decay EMA only (the
+    demo chooses post-hoc in phases 1 and 7, the long one and the sampled one, and saves the rebuilds elsewhere)."""
     init_from: SafeName = SCRATCH
     init_weights: Literal["ema", "live"] = "ema"
     init_path: str | None = None

@@ -198,6 +198,35 @@ def table_html(phases: list[PhaseResults]) -> str:
     return f'<table id="phases"><thead><tr>{header}</tr></thead><tbody>{body}</tbody></table>'
 
 
+POSTHOC_PREFIX = "posthoc_ema.val_loss."
+
+
+def posthoc_html(phases: list[PhaseResults]) -> str:
+    """The post-hoc EMA's choice per phase that made one (``train.posthoc_sigma_rels``): every candidate's validation
+    loss — ``fixed`` is the fixed-decay EMA — the chosen one in bold; "" when no phase chose."""
+    rows = []
+    for p in phases:
+        train = p.metrics.get("train", {})
+        scores = {k.removeprefix(POSTHOC_PREFIX): v for k, v in train.items() if k.startswith(POSTHOC_PREFIX)}
+        if not scores:
+            continue
+        sigma = train.get("posthoc_ema.sigma_rel", 0.0)
+        chosen = "fixed" if not sigma else f"{sigma:g}"
+        cells = [f"<b>{html.escape(n)}: {v:.5f}</b>" if n == chosen else f"{html.escape(n)}: {v:.5f}"
+                 for n, v in scores.items()]  # fmt: skip
+        row = [html.escape(p.name), html.escape(chosen), " · ".join(cells)]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>")
+    if not rows:
+        return ""
+    return (
+        "<h2>Post-hoc EMA</h2><p>Each EMA length (σ<sub>rel</sub>) rebuilt from the phase's snapshots and the "
+        "fixed-decay EMA, scored by the validation loss; the lowest (bold) is the phase's <code>unet_ema/</code> "
+        "(<code>train.posthoc_sigma_rels</code>, docs/EVAL.md).</p>"
+        '<table id="posthoc"><thead><tr><th>phase</th><th>chosen</th><th>validation loss per candidate</th></tr>'
+        f"</thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def mix_share(value: int | float) -> str:
     """A mix entry as shown: a fraction as a percentage (``0.6`` → ``60%``), a sample count as a number."""
     return f"{value:,}" if isinstance(value, int) else f"{value:.0%}"
@@ -262,6 +291,7 @@ def render_html(title: str, phases: list[PhaseResults], loss_png: bytes | None, 
         "fixed noise levels (<code>train.held_out</code>, <code>train.val_loss_every</code>).</p>"
         if any(p.val_curve for p in phases) else "",
         _img(loss_png, "loss curves of all phases") if loss_png else "<p>No loss curve yet.</p>",
+        posthoc_html(phases),
     ]
     for category, data in strips.items():
         parts += [f"<h2>Eval: {html.escape(category)}</h2>", f'<div class="scroll">{_img(data, category)}</div>']

@@ -32,8 +32,10 @@ class Optimization:
             model_config=unet_config,
         )
         self.ema.to(self.ema_device)
-        self.posthoc = PowerEMAs(trainable, cfg.posthoc_sigma_rels, self.ema_device) if cfg.posthoc_sigma_rels else None
-        """The post-hoc EMA's tracked profiles (``train.posthoc_sigma_rels``), updated every step."""
+        rels = cfg.posthoc_sigma_rels if phase.posthoc_ema else []
+        self.posthoc = PowerEMAs(trainable, rels, self.ema_device) if rels else None
+        """The post-hoc EMA's tracked profiles (``train.posthoc_sigma_rels``, unless the phase sets
+        ``posthoc_ema: false``), updated every step."""
         self.snapshot_read: Callable[[], None] | None = None
         """Set while a background checkpoint still copies the weights, optimizer and EMA state (a CPU run,
         :mod:`sdforge.training.async_checkpoint`): :meth:`settle` waits for it before anything changes them."""

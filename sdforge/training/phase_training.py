@@ -79,12 +79,13 @@ def default_hooks(job, run_dir: Path, notice: PreemptionNotice, manager, extra: 
     """The hooks of every run, in protocol order (:mod:`sdforge.training.hooks`), with ``extra`` after the
     reports."""
     cfg, main = job.cfg, job.dist.is_main
+    val_loss = ValLossHook(job.params, job.phase_name) if cfg.held_out else None
     return [
         LedgerHook(),
         PreemptionHook(notice, manager, cfg.preempt_grace_s, run_dir),
         WatchdogHook(cfg.hang_timeout_s, run_dir),
-        ValLossHook(job.params, job.phase_name) if cfg.held_out else None,
-        PosthocEmaHook(job.params, job.phase_name, run_dir) if cfg.posthoc_sigma_rels else None,
+        val_loss,
+        PosthocEmaHook(job.params, job.phase_name, run_dir, val_loss) if job.optim.posthoc is not None else None,
         StepRecordHook(run_dir, cfg.progress_bar) if main else None,
         ValidationHook(job.params, run_dir) if cfg.validation_every else None,
         *extra,

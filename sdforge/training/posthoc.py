@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -21,16 +22,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model.posthoc_ema import combine, synthesis_coefficients
+from model.posthoc_ema import combine, gamma_of, synthesis_coefficients
 from sdforge.config import Params
 from sdforge.training.hooks import Hook
-from sdforge.training.val_loss import HeldOutLoss
+from sdforge.training.val_loss import HeldOutLoss, ValLossHook
 
 log = logging.getLogger(__name__)
 
 POSTHOC_DIR = "posthoc"
 """In the run dir: ``step-NNNNNNNN.safetensors``, tensors ``<profile>/<parameter>`` (fp32), metadata ``step`` and
-``sigma_rels``."""
+``sigma_rels``; and, when a rebuilt EMA was chosen, ``fixed-ema.safetensors``: the fixed-decay EMA it replaced
+(tensors ``<parameter>``), so that one stays usable (:func:`candidate_weights`)."""
+FIXED_EMA = "fixed-ema.safetensors"
+FIXED = "fixed"
+"""The candidate name of the fixed-decay EMA (the others are named by their σ_rel, ``f"{σ:g}"``)."""
 
 
 def snapshot_steps(total_steps: int, count: int) -> list[int]:
@@ -63,6 +68,46 @@ def rebuild(paths: list[Path], sigma_rels: list[float], gammas: list[float], ste
     return combine((c, _profile(p, i, count)) for c, (p, i, _) in zip(coefficients, entries, strict=True))
 
 
+def candidate_weights(run_dir: Path, name: str) -> list[torch.Tensor]:
+    """The trainable tensors of a finished phase's candidate ``name``: ``fixed`` (the fixed-decay EMA, kept when a
+    rebuilt one was exported) or a σ_rel (e.g. ``"0.1"``) rebuilt from the run dir's snapshots at the last one's
+    step. A FileNotFoundError names what is missing."""
+    folder = Path(run_dir) / POSTHOC_DIR
+    if name == FIXED:
+        with safe_open(folder / FIXED_EMA, "pt") as f:  # FileNotFoundError when the fixed EMA itself was exported
+            return [f.get_tensor(str(k)) for k in range(len(f.keys()))]
+    paths = sorted(folder.glob("step-*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"{folder}: no post-hoc EMA snapshot (train.posthoc_sigma_rels was off?)")
+    with safe_open(paths[-1], "pt") as f:
+        sigma_rels = json.loads(f.metadata()["sigma_rels"])
+        count = sum(1 for k in f.keys() if k.startswith("0/"))
+    gammas = [gamma_of(s) for s in sigma_rels]
+    return rebuild(paths, sigma_rels, gammas, _step_of(paths[-1]), float(name), count)
+
+
+def write_candidate_checkpoint(checkpoint_dir: Path, run_dir: Path, name: str, out_dir: Path) -> Path:
+    """A copy of a full fine-tune's phase checkpoint ``checkpoint_dir`` in ``out_dir`` whose ``unet_ema/`` holds
+    candidate ``name`` (:func:`candidate_weights`) instead of the exported EMA: to sample or score another EMA
+    length of a finished phase. Returns ``out_dir``."""
+    # lazy: diffusers' import costs seconds, and only this offline export needs it here
+    from diffusers import UNet2DConditionModel
+
+    weights = candidate_weights(run_dir, name)
+    shutil.rmtree(out_dir, ignore_errors=True)  # out_dir is the caller's scratch copy, never a phase's checkpoint
+    shutil.copytree(checkpoint_dir, out_dir)
+    unet = UNet2DConditionModel.from_pretrained(out_dir / "unet_ema")
+    params = [p for p in unet.parameters() if p.requires_grad]
+    if len(params) != len(weights):
+        raise ValueError(f"{run_dir}: candidate {name} has {len(weights)} tensors, the UNet {len(params)} "
+                         "(an adapter phase? only full fine-tunes are rebuilt into a UNet)")  # fmt: skip
+    with torch.no_grad():
+        for p, t in zip(params, weights, strict=True):
+            p.copy_(t.to(p.dtype))
+    unet.save_pretrained(out_dir / "unet_ema", safe_serialization=True)
+    return out_dir
+
+
 def _step_of(path: Path) -> int:
     with safe_open(path, "pt") as f:
         return int(f.metadata()["step"])
@@ -80,8 +125,11 @@ class PosthocEmaHook(Hook):
     machine lacks the earlier ones, and then exports the fixed-decay EMA with a warning and
     ``posthoc_ema.missing_snapshots`` > 0 rather than fail the phase at its end."""
 
-    def __init__(self, params: Params, phase_name: str, run_dir: Path):
+    def __init__(self, params: Params, phase_name: str, run_dir: Path, val_loss: ValLossHook | None = None):
         self.params, self.phase_name, self.run_dir = params, phase_name, Path(run_dir)
+        self.val_loss = val_loss
+        """The run's validation-loss hook (it ends first): its held-out set, and its end measurement of the fixed
+        EMA, are reused instead of read and measured again."""
         self.cfg = params.train
         self.steps: list[int] = []
         self.metrics: dict = {}
@@ -107,7 +155,7 @@ class PosthocEmaHook(Hook):
         with job.busy("posthoc choice"):
             best, scores = self._choose(job)
         self.metrics.update({f"posthoc_ema.val_loss.{name}": round(m["val_loss"], 6) for name, m in scores.items()})
-        self.metrics.update({"posthoc_ema.sigma_rel": 0.0 if best == "fixed" else float(best),
+        self.metrics.update({"posthoc_ema.sigma_rel": 0.0 if best == FIXED else float(best),
                              "posthoc_ema.snapshots": len(self.steps),
                              "posthoc_ema.seconds": round(time.perf_counter() - start, 2)})  # fmt: skip
         self.chosen = scores[best]
@@ -117,13 +165,14 @@ class PosthocEmaHook(Hook):
     def _choose(self, job) -> tuple[str, dict[str, dict]]:
         """Score the fixed EMA and each candidate σ_rel (one rebuilt at a time); put the best into the EMA's
         weights (what the export writes). The best's name and every candidate's validation-loss figures."""
-        held_out = HeldOutLoss.for_phase(self.params, self.phase_name)
+        held_out = self.val_loss.held_out if self.val_loss is not None else None
+        held_out = held_out or HeldOutLoss.for_phase(self.params, self.phase_name)
         if held_out is None:
             raise ValueError(f"train@{self.phase_name}: post-hoc EMA needs held-out samples; set train.held_out > 0")
         paths = [snapshot_path(self.run_dir, s) for s in self.steps]
         missing = [str(p) for p in paths if not p.is_file()]
         ema, step = job.optim.posthoc, job.state.progress.step
-        scores, best, best_weights = {"fixed": held_out.measure(job)}, "fixed", None
+        scores, best, best_weights = {FIXED: self._fixed_score(job, held_out, step)}, FIXED, None
         self.metrics["posthoc_ema.missing_snapshots"] = len(missing)
         if missing:  # a run resumed on another machine from checkpoint_s3: the snapshots stayed on the old disk
             log.warning("post-hoc EMA: %d snapshot(s) missing (%s): exporting the fixed-decay EMA, no candidate "
@@ -136,10 +185,18 @@ class PosthocEmaHook(Hook):
             if scores[name]["val_loss"] < scores[best]["val_loss"]:
                 best, best_weights = name, weights
         if best_weights is not None:
+            fixed = {str(k): t.detach().cpu().contiguous() for k, t in enumerate(job.optim.ema.shadow_params)}
+            save_file(fixed, self.run_dir / POSTHOC_DIR / FIXED_EMA)
             with torch.no_grad():
                 for shadow, t in zip(job.optim.ema.shadow_params, best_weights, strict=True):
                     shadow.copy_(t.to(shadow.device, shadow.dtype))
         return best, scores
+
+    def _fixed_score(self, job, held_out: HeldOutLoss, step: int) -> dict[str, float]:
+        """The fixed-decay EMA's validation loss at ``step``: the validation-loss hook's end measurement, or
+        measured here."""
+        last = self.val_loss.last if self.val_loss is not None else None
+        return last[1] if last is not None and last[0] == step else held_out.measure(job)
 
     def finish(self, job, metrics: dict) -> None:
         if self.chosen is None:

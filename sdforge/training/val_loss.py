@@ -29,6 +29,7 @@ from model.speed import attention_context
 from sdforge.config import Params
 from sdforge.latents.loader import LatentIndexDataset
 from sdforge.latents.mix import held_out_path
+from sdforge.training.conditioning import Conditioning
 from sdforge.training.hooks import Hook
 
 log = logging.getLogger(__name__)
@@ -74,26 +75,38 @@ class HeldOutLoss:
     def measure(self, job, weights: list[torch.Tensor] | None = None) -> dict[str, float]:
         """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights, or of
         ``weights`` (one tensor per trainable parameter); the live weights are put back bit for bit."""
-        unet, trainable, dev = job.model.unet, job.model.trainable, job.dist.device
+        trainable = job.model.trainable
         job.optim.settle()  # a background checkpoint may still be copying the live weights
         live = [p.detach().clone() for p in trainable]
         _copy_into(trainable, job.optim.ema.shadow_params if weights is None else weights)
+        try:
+            return self.measure_unet(job.model.unet, job.conditioning, job.objective, job.cfg.mixed_precision,
+                                     job.attention)  # fmt: skip
+        finally:
+            _copy_into(trainable, live)
+
+    def measure_unet(self, unet, conditioning: Conditioning, objective: str, mixed_precision: str = "no",
+                     attention=None) -> dict[str, float]:  # fmt: skip
+        """The figures of :meth:`measure` for ``unet`` as it is (any weights: another phase's, a rebuilt EMA), on
+        ``conditioning``'s device; ``unet`` is left in train mode."""
+        dev = conditioning.device
+        bf16 = uses_bf16_autocast(dev, mixed_precision)
         unet.eval()
         try:
-            losses = torch.cat([self._batch_losses(job, unet, b, dev) for b in range(len(self.batches))]).cpu()
+            with torch.no_grad(), attention_context(attention):
+                losses = torch.cat([self._batch_losses(unet, conditioning, objective, bf16, b)
+                                    for b in range(len(self.batches))]).cpu()  # fmt: skip
         finally:
             unet.train()
-            _copy_into(trainable, live)
         return self._summary(losses.double())
 
-    def _batch_losses(self, job, unet, b: int, dev: torch.device) -> torch.Tensor:
+    def _batch_losses(self, unet, conditioning: Conditioning, objective: str, bf16: bool, b: int) -> torch.Tensor:
         latents, input_ids = self.data.gather(self.batches[b])
-        bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
-        with torch.no_grad(), attention_context(job.attention):
-            cond = job.conditioning.encode(input_ids)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-                return held_out_losses(unet, latents.to(dev), cond, self.noise[b].to(dev), self.fractions,
-                                       objective=job.objective, scheduler=job.conditioning.scheduler)  # fmt: skip
+        dev = conditioning.device
+        cond = conditioning.encode(input_ids)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            return held_out_losses(unet, latents.to(dev), cond, self.noise[b].to(dev), self.fractions,
+                                   objective=objective, scheduler=conditioning.scheduler)  # fmt: skip
 
     def _summary(self, losses: torch.Tensor) -> dict[str, float]:
         order = np.concatenate(self.batches)

@@ -101,3 +101,44 @@ def test_a_lost_snapshot_exports_the_fixed_ema_and_says_so(straight, tmp_path):
     fixed = _fixed_ema(tmp_path / "runs/phase1")
     assert all(torch.equal(exported[n], t) for n, t in zip(_names(tmp_path), fixed, strict=True))
     assert "snapshot(s) missing" in done.stderr
+
+
+def test_every_candidate_can_be_read_back_and_scored_offline(straight, tmp_path):
+    """After the phase: the fixed EMA (kept when a rebuild won) and every σ_rel are readable; a candidate written into
+    a checkpoint copy holds exactly its tensors, and the offline validation loss of each equals the in-run score."""
+    from sdforge.config import load_params
+    from sdforge.training.conditioning import Conditioning
+    from sdforge.training.posthoc import FIXED, candidate_weights, write_candidate_checkpoint
+    from sdforge.training.val_loss import HeldOutLoss
+
+    root, m = straight.parent, _metrics(straight)
+    run, checkpoint = root / "runs/phase1", root / "checkpoints/phase1"
+    chosen = FIXED if m["posthoc_ema.sigma_rel"] == 0 else f"{m['posthoc_ema.sigma_rel']:g}"
+    names = _names(root)
+    exported = weights(root, "phase1", "unet_ema")
+    if chosen != FIXED:
+        assert all(torch.equal(a, b) for a, b in zip(candidate_weights(run, FIXED), _fixed_ema(run), strict=True))
+        assert all(torch.equal(exported[n], t) for n, t in zip(names, candidate_weights(run, chosen), strict=True))
+    params = load_params(straight)
+    held_out = HeldOutLoss.for_phase(params, "phase1")
+    conditioning = Conditioning(root / "models", torch.device("cpu"), params.train.text_encoder_dtype)
+    before = {n: t.clone() for n, t in exported.items()}
+    for name in [c for c in ("fixed", "0.05", "0.15", "0.25") if c != chosen]:
+        out = write_candidate_checkpoint(checkpoint, run, name, tmp_path / name)
+        unet = UNet2DConditionModel.from_pretrained(out / "unet_ema")
+        assert all(torch.equal(p, t) for p, t in zip(unet.parameters(), candidate_weights(run, name), strict=True))
+        val = held_out.measure_unet(unet, conditioning, params.phase_objective("phase1"))["val_loss"]
+        assert val == pytest.approx(m[f"posthoc_ema.val_loss.{name}"], abs=2e-6)
+    assert all(torch.equal(before[n], t) for n, t in weights(root, "phase1", "unet_ema").items())  # untouched
+
+
+def test_a_phase_that_opts_out_keeps_the_fixed_ema_only(straight, tmp_path):
+    params = untrained_clone(straight.parent, tmp_path)
+    edit_params(params, "phases.phase1", posthoc_ema=False)
+    done = train(params, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = _metrics(params)
+    assert not [k for k in m if k.startswith("posthoc_ema")] and not (tmp_path / "runs/phase1" / POSTHOC_DIR).exists()
+    fixed = _fixed_ema(straight.parent / "runs/phase1")  # the post-hoc run's fixed EMA: training is the same
+    exported = weights(tmp_path, "phase1", "unet_ema")
+    assert all(torch.equal(exported[n], t) for n, t in zip(_names(tmp_path), fixed, strict=True))

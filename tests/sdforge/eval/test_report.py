@@ -95,3 +95,16 @@ def test_report_before_any_phase_ran_has_no_chart_and_lists_every_phase(tmp_path
 def test_moving_average_is_a_trailing_mean():
     assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([4.0]) == [4.0]
+
+
+def test_the_post_hoc_ema_table_lists_every_candidate_and_bolds_the_choice(tmp_path):
+    metrics, evals = _workspace(tmp_path)
+    assert 'id="posthoc"' not in build_report("t", CONFIGS, ["seen"], metrics, evals).page  # no phase chose
+    train = json.loads((metrics / "train" / "phase1.json").read_text())
+    train.update({"posthoc_ema.val_loss.fixed": 0.10125, "posthoc_ema.val_loss.0.05": 0.1001,
+                  "posthoc_ema.val_loss.0.1": 0.10052, "posthoc_ema.sigma_rel": 0.05})  # fmt: skip
+    (metrics / "train" / "phase1.json").write_text(json.dumps(train))
+    page = build_report("t", CONFIGS, ["seen"], metrics, evals).page
+    table = re.search(r'<table id="posthoc">(.*?)</table>', page).group(1)
+    rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+    assert rows == [["phase1", "0.05", "fixed: 0.10125 · <b>0.05: 0.10010</b> · 0.1: 0.10052"]]

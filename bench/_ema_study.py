@@ -1,0 +1,84 @@
+"""Issue 41's question for ``bench.demo_quality``: does the validation loss rank weights as the demo probe does?
+
+For the last full phase (the demo's phase 7) of one run: every post-hoc EMA candidate (the fixed-decay EMA and each
+``train.posthoc_candidates`` σ_rel rebuilt from the phase's snapshots) and the exported EMA of every earlier full
+phase are scored twice — by the validation loss on that phase's held-out set
+(:meth:`~sdforge.training.val_loss.HeldOutLoss.measure_unet`) and by the probe (``eval_grid`` on a scratch copy of
+the checkpoint: the mean of colour and shape agreement on the seen and held-out prompts). The Spearman rank
+correlation of −validation loss with the probe score is given over the candidates, over the phases and over
+both; and the chosen candidate's probe score against the fixed EMA's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from scipy.stats import spearmanr
+
+from sdforge.config import Params
+from sdforge.training.conditioning import Conditioning
+from sdforge.training.posthoc import FIXED, write_candidate_checkpoint
+from sdforge.training.val_loss import HeldOutLoss
+from stages import eval_grid
+
+PROBE = ("colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out")
+"""The probe score of a set of weights: the mean of these four agreements."""
+
+
+def probe_score(grid: dict) -> float:
+    """The mean of the :data:`PROBE` agreements of an ``eval_grid`` result."""
+    return sum(grid[k] for k in PROBE) / len(PROBE)
+
+
+def spearman(val_losses: list[float], scores: list[float]) -> float:
+    """Rank correlation of −validation loss with the probe score (1: the same order); NaN when either is constant."""
+    if len(set(val_losses)) < 2 or len(set(scores)) < 2:
+        return float("nan")
+    return float(spearmanr([-v for v in val_losses], scores).statistic)
+
+
+def study(params: Params, base: str, chosen: str) -> dict:
+    """Score the candidates of phase ``base`` (``chosen``: the exported one's name) and the earlier full phases; the
+    rows (kind, name, validation loss, probe score) and the correlations."""
+    paths = params.paths
+    scratch = Path(paths.checkpoints).parent / "ema-study"
+    held_out = HeldOutLoss.for_phase(params, base)
+    conditioning = Conditioning(Path(paths.models), torch.device("cpu"), params.train.text_encoder_dtype)
+    objective = params.phase_objective(base)
+    names = list(params.phases)
+    earlier = [n for n in names[: names.index(base)] if params.phases[n].adapter is None]
+    candidates = [FIXED, *(f"{s:g}" for s in params.train.posthoc_candidates)]
+    rows = []
+    for kind, name in [("candidate", c) for c in candidates] + [("phase", p) for p in [*earlier, base]]:
+        if kind == "candidate" and name == chosen:
+            checkpoint = Path(paths.checkpoints) / base  # the exported EMA itself
+        elif kind == "candidate":
+            checkpoint = write_candidate_checkpoint(Path(paths.checkpoints) / base, Path(paths.runs) / base, name,
+                                                    scratch / name)  # fmt: skip
+        else:
+            checkpoint = Path(paths.checkpoints) / name
+        unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
+        val = held_out.measure_unet(unet, conditioning, objective)["val_loss"]
+        grid = eval_grid.run(params.eval, params.demo, Path(paths.models), checkpoint, scratch / "eval" / name)
+        rows.append({"kind": kind, "name": name, "val_loss": val, "probe": probe_score(grid)})
+    shutil.rmtree(scratch, ignore_errors=True)
+    cands = [r for r in rows if r["kind"] == "candidate"]
+    phases = [r for r in rows if r["kind"] == "phase"]
+    by_name = {r["name"]: r for r in cands}
+    return {
+        "rows": rows,
+        "rho_candidates": spearman([r["val_loss"] for r in cands], [r["probe"] for r in cands]),
+        "rho_phases": spearman([r["val_loss"] for r in phases], [r["probe"] for r in phases]),
+        "rho_all": spearman([r["val_loss"] for r in rows], [r["probe"] for r in rows]),
+        "chosen": chosen,
+        "chosen_minus_fixed": by_name[chosen]["probe"] - by_name[FIXED]["probe"],
+    }
+
+
+def chosen_name(train_metrics: dict) -> str:
+    """The exported candidate's name from a phase's train metrics (``posthoc_ema.sigma_rel``; 0: the fixed EMA)."""
+    sigma = train_metrics.get("posthoc_ema.sigma_rel", 0.0)
+    return FIXED if not sigma else f"{sigma:g}"
