@@ -51,19 +51,23 @@ def study(params: Params, base: str, chosen: str) -> dict:
     names = list(params.phases)
     earlier = [n for n in names[: names.index(base)] if params.phases[n].adapter is None]
     candidates = [FIXED, *(f"{s:g}" for s in params.train.posthoc_candidates)]
-    rows = []
+    square_only = params.eval.model_copy(update={"extra_sizes": []})  # the probe score reads the square cells
+    rows, scored = [], {}
     for kind, name in [("candidate", c) for c in candidates] + [("phase", p) for p in [*earlier, base]]:
-        if kind == "candidate" and name == chosen:
+        if kind == "candidate" and name == chosen or kind == "phase" and name == base:
             checkpoint = Path(paths.checkpoints) / base  # the exported EMA itself
         elif kind == "candidate":
             checkpoint = write_candidate_checkpoint(Path(paths.checkpoints) / base, Path(paths.runs) / base, name,
                                                     scratch / name)  # fmt: skip
         else:
             checkpoint = Path(paths.checkpoints) / name
-        unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
-        val = held_out.measure_unet(unet, conditioning, objective)["val_loss"]
-        grid = eval_grid.run(params.eval, params.demo, Path(paths.models), checkpoint, scratch / "eval" / name)
-        rows.append({"kind": kind, "name": name, "val_loss": val, "probe": probe_score(grid)})
+        if checkpoint not in scored:
+            unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
+            val = held_out.measure_unet(unet, conditioning, objective)["val_loss"]
+            grid = eval_grid.run(square_only, params.demo, Path(paths.models), checkpoint, scratch / "eval" / name)
+            scored[checkpoint] = (val, probe_score(grid))
+        val, probe = scored[checkpoint]
+        rows.append({"kind": kind, "name": name, "val_loss": val, "probe": probe})
     shutil.rmtree(scratch, ignore_errors=True)
     cands = [r for r in rows if r["kind"] == "candidate"]
     phases = [r for r in rows if r["kind"] == "phase"]

@@ -20,6 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 from sdforge.config import DemoData, Eval, Params
+from sdforge.eval.coco import run_protocol
 from sdforge.eval.grid import (
     captioned_grid,
     check_extra_sizes,
@@ -39,9 +40,11 @@ from sdforge.tracking import stage_run, summarise
 log = logging.getLogger(__name__)
 
 STRIPS = "strips"
+COCO = "coco"
+"""``eval.coco.phase_end_samples`` > 0: the COCO protocol's ``coco.json`` and ``coco_preview.png`` go here."""
 HEADLINE = (
     "colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out",
-    "colour_agreement_concept", "shape_agreement_concept", "clip_score", "fid",
+    "colour_agreement_concept", "shape_agreement_concept", "clip_score", "fid", "coco_fid", "coco_clip_score",
 )
 """The eval figures copied onto the phase's parent run (those present: the probe at demo scale, CLIP score
 and FID where their weights are given)."""
@@ -108,6 +111,13 @@ def write_images(cfg: Eval, out_dir: Path, images: list, prompts: list[str], ext
     captioned_grid(images, prompts, cfg.columns, rows).save(out_dir / "grid.png")
 
 
+def scoring_eval(params: Params) -> Eval:
+    """``params.eval`` with the scoring CLIP and Inception resolved (``models.eval_clip`` / ``fid_inception`` when
+    ``eval.clip_model_path`` / ``eval.fid.inception_path`` are null)."""
+    fid = params.eval.fid.model_copy(update={"inception_path": params.fid_inception_path()})
+    return params.eval.model_copy(update={"clip_model_path": params.eval_clip_path(), "fid": fid})
+
+
 SKIPPED = "skipped.json"
 
 
@@ -132,12 +142,17 @@ def run_stage(params: Params, phase: str) -> dict:
             summarise(mlflow, note=f"**Eval**: not sampled (`phases.{phase}.eval_grid: false`).")
         log.info("eval grid of %s not sampled (phases.%s.eval_grid: false)", phase, phase)
         return metrics
-    metrics = run(params.eval, params.demo, Path(params.paths.models), Path(params.paths.checkpoints) / phase, out_dir)
+    checkpoint = Path(params.paths.checkpoints) / phase
+    metrics = run(scoring_eval(params), params.demo, Path(params.paths.models), checkpoint, out_dir)
+    if params.eval.coco.phase_end_samples:  # FID-5k at full scale (docs/EVAL.md "COCO protocol")
+        metrics.update(run_protocol(params, checkpoint, params.eval.coco.phase_end_samples, out_dir / COCO))
     with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         mlflow.log_artifact(str(out_dir / "grid.png"))
         mlflow.log_artifact(str(out_dir / "probe.json"))
         mlflow.log_artifacts(str(out_dir / STRIPS), artifact_path=STRIPS)
+        if (out_dir / COCO).is_dir():
+            mlflow.log_artifacts(str(out_dir / COCO), artifact_path=COCO)
         mlflow.set_tag("grid", str((out_dir / "grid.png").resolve()))
         headline = {k: v for k, v in metrics.items() if k in HEADLINE and isinstance(v, int | float)}
         artifacts = [(out_dir / "grid.png", None), (out_dir / STRIPS, STRIPS)]
@@ -161,6 +176,8 @@ def eval_note(metrics: dict, out_dir: Path) -> str:
         if metrics.get(key) is not None
     ]
     scores += [f"{key.replace('_', ' ')} {metrics[key]:.4g}" for key in ("clip_score", "fid") if metrics.get(key)]
+    coco = (("coco_fid", "FID"), ("coco_clip_score", "CLIP score"))
+    scores += [f"COCO-{metrics['coco_samples']} {name} {metrics[key]:.4g}" for key, name in coco if metrics.get(key)]
     found = "; ".join(scores) or "no automatic score (give eval.clip_model_path / eval.fid for CLIP score and FID)"
     return (
         f"**Eval** ({metrics['images']} images, EMA weights): {found}. Grid: `grid.png` and `strips/` "

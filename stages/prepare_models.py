@@ -10,6 +10,7 @@ Writes (each with ``save_pretrained``, safetensors)::
     ${paths.models}/uncond_embedding.safetensors   "uncond": text encoder output for "" [1, 77, D]
                                     (the CFG-dropout condition, computed once here for every phase)
     ${paths.models}/captioner/      ``models.captioner_build``: the demo's captioner (``recaption.model: build``)
+    ${paths.models}/eval_clip/, fid_inception.pt   the scorers (:mod:`sdforge.eval.weights`)
     ${paths.checkpoints}/scratch/unet/       seeded UNet, output projections zeroed
     ${paths.checkpoints}/scratch/unet_ema/   the same weights (EMA starts at the live weights)
     ${paths.checkpoints}/scratch/state.json  {"phase": "scratch", "step": 0}
@@ -44,6 +45,7 @@ from sdforge.architectures import build_random_text_encoder, build_random_vae, w
 from sdforge.captions.models import BUILT_CAPTIONER
 from sdforge.config import SCRATCH, ConfigError, DemoData, Eval, Models, Params
 from sdforge.demo.models import build_demo_captioner, build_demo_components
+from sdforge.eval.weights import prepare_eval_weights
 from sdforge.io import stage_cli, write_json
 from sdforge.tracking import log_stage
 
@@ -149,6 +151,7 @@ def run(
     noise_scheduler(models.noise.model_dump()).save_pretrained(out / SCHEDULER)
     save_uncond_embedding(tokenizer, text_encoder, out / UNCOND_EMBEDDING)
     metrics.update(build_demo_captioner(models, demo, out / BUILT_CAPTIONER))
+    metrics.update(prepare_eval_weights(models, out))  # models.eval_clip / fid_inception: the scorers' weights
 
     unet = build_unet(unet_config(models.unet.model_dump()), models.seed)
     unet.save_pretrained(scratch / UNET, safe_serialization=True)

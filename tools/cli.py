@@ -16,6 +16,7 @@ from PIL import Image, PngImagePlugin
 
 from model.sampler import latent_shape_for
 from sdforge.config import ConfigError, load_params
+from sdforge.eval.coco import run_protocol
 from sdforge.eval.export import export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError, setup_logging, write_json
@@ -97,6 +98,19 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    """``sdforge evaluate --protocol coco``: FID and CLIP score on COCO-2014 val captions (docs/EVAL.md)."""
+    params = load_params(args.params)
+    phase = args.phase or params.phase_names()[-1]
+    checkpoint = Path(args.checkpoint or Path(params.paths.checkpoints) / phase)
+    samples = args.samples or params.eval.coco.samples
+    out = Path(args.out or Path(params.paths.evaluations) / phase / f"{args.protocol}-{samples}")
+    metrics = run_protocol(params, checkpoint, samples, out, args.device, use_ema=not args.live)
+    print(json.dumps(metrics, indent=2))
+    print(out / "coco.json")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     """The cross-phase report over the phases that have finished (``stages.report``, outside DVC)."""
     params = load_params(args.params)
@@ -170,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
     exp.add_argument("--params", default="params.yaml")
     exp.set_defaults(func=_export)
+    ev = sub.add_parser("evaluate", help="FID and CLIP score of a phase on a standard protocol (COCO-2014 val)")
+    ev.add_argument("--protocol", choices=["coco"], default="coco", help="coco: COCO-2014 val captions (docs/EVAL.md)")
+    ev.add_argument("--phase", default=None, help="the phase whose checkpoint is evaluated (default: the last)")
+    ev.add_argument("--checkpoint", default=None, help="a checkpoint dir instead of the phase's")
+    ev.add_argument("--samples", type=int, default=None, help="captions (default: eval.coco.samples, 30,000)")
+    ev.add_argument("--live", action="store_true", help="live instead of EMA weights")
+    ev.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
+    ev.add_argument("--out", default=None, help="default: ${paths.evaluations}/<phase>/coco-<samples>/")
+    ev.add_argument("--params", default="params.yaml")
+    ev.set_defaults(func=_evaluate)
     rep = sub.add_parser("report", help="write eval/report.html comparing the phases that have finished")
     rep.add_argument("--mlflow", action="store_true", help="also log it to MLflow (as the report stage does)")
     rep.add_argument("--params", default="params.yaml")

@@ -39,9 +39,9 @@ import yaml
 from flows.dvc_ops.dag import upstream_stages
 from sdforge.config import ConfigError, load_params
 from sdforge.demo.http_server import serve_directory
-from sdforge.preflight.derive import HTTP_DIR, Shrink, derive_params, samples_needed
+from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
-from sdforge.preflight.samples import write_sample_source
+from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
 from sdforge.training.reporting import read_steps
 
 log = logging.getLogger("sdforge.preflight")
@@ -106,6 +106,9 @@ def write_samples(ws: Workspace, n: int, url_base: str, seed: int) -> dict[str, 
             )
         except ValueError as err:
             raise PreflightFailed(f"samples of sources.{name}: {err}") from None
+    coco = ws.params.get("eval", {}).get("coco") or {}
+    if coco.get("phase_end_samples"):  # the COCO protocol's captions and reference images
+        write_coco_val(ws.root / COCO_DIR, max(n, int(coco["phase_end_samples"])), COCO_SIDE, seed)
     return written
 
 

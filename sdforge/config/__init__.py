@@ -49,9 +49,18 @@ from sdforge.config.base import (
 )
 from sdforge.config.cluster import Cluster, DnsLabel, check_dns_label
 from sdforge.config.demo import DemoConcept, DemoData, DemoWebdump
-from sdforge.config.eval import GUIDANCE_WARN_ABOVE, CategorySampling, Eval, Fid
+from sdforge.config.eval import GUIDANCE_WARN_ABOVE, CategorySampling, CocoProtocol, Eval, Fid
 from sdforge.config.latents import BucketSet, Encode
-from sdforge.config.models import CaptionerBuild, Models, NoiseSchedule, TextEncoderBuild, UNetSpec, VaeBuild
+from sdforge.config.models import (
+    EVAL_CLIP_DIR,
+    FID_INCEPTION_FILE,
+    CaptionerBuild,
+    Models,
+    NoiseSchedule,
+    TextEncoderBuild,
+    UNetSpec,
+    VaeBuild,
+)
 from sdforge.config.params import Params, load_params, parse_params, read_yaml_bounded
 from sdforge.config.paths import Paths, Storage, Tracking
 from sdforge.config.phases import ADAPTER_TARGETS, Adapter, AdapterTarget, CaptionMix, Phase
@@ -81,6 +90,8 @@ from sdforge.config.train import (
 )
 
 __all__ = [
+    "EVAL_CLIP_DIR",
+    "FID_INCEPTION_FILE",
     "ADAPTER_TARGETS",
     "CREDENTIALS_HINT",
     "GUIDANCE_WARN_ABOVE",
@@ -106,6 +117,7 @@ __all__ = [
     "Effect",
     "EmaSettings",
     "Encode",
+    "CocoProtocol",
     "Eval",
     "FaceOptions",
     "FetchSettings",

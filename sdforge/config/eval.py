@@ -24,10 +24,41 @@ class Fid(Section):
 
     inception_path: str | None = None
     """NVlabs ``pt_inception-2015-12-05`` TorchScript file (called as ``model(x, return_features=True)``
-    on N×3×H×W floats in 0..255); null: FID skipped."""
+    on N×3×H×W floats in 0..255); null: the one ``models.fid_inception`` has ``prepare_models`` copy, else FID
+    skipped."""
     reference_dir: str | None = None
     """Folder of reference images (png/jpg/webp, searched recursively); null: FID skipped."""
     max_reference_images: int = Field(10_000, ge=2)
+
+
+class CocoProtocol(Section):
+    """Zero-shot FID and CLIP score on COCO-2014 validation captions (``sdforge evaluate --protocol coco`` and,
+    with ``phase_end_samples``, each phase's ``eval_grid``). docs/EVAL.md pins the protocol."""
+
+    captions: str | None = None
+    """``captions_val2014.json`` (cocodataset.org, ``annotations_trainval2014.zip``); null: the protocol is off."""
+    images: str | None = None
+    """The ``val2014/`` folder its ``file_name`` entries are relative to (the FID reference images)."""
+    samples: int = Field(30_000, ge=2)
+    """Captions ``sdforge evaluate --protocol coco`` samples by default (FID-30k)."""
+    phase_end_samples: int = Field(0, ge=0)
+    """Captions each phase's ``eval_grid`` also evaluates (full scale: 5,000, FID-5k); 0: not at phase end."""
+    seed: int = 2014
+    """Picks the images and one caption of each (the same in every phase); image ``i`` is sampled with seed
+    ``seed + i``."""
+    steps: int | None = Field(None, ge=1)
+    """Sampler steps (null: ``eval.steps``)."""
+    guidance_scale: float | None = Field(None, ge=1)
+    """CFG scale (null: ``eval.guidance_scale``)."""
+    reference_size: int | None = Field(None, ge=16)
+    """Side of the square the reference images are centre-cropped and resized (PIL bicubic) to; null: the
+    generated images' side. The Inception resizes both sets to 299² itself."""
+
+    @model_validator(mode="after")
+    def _phase_end_needs_files(self) -> CocoProtocol:
+        if self.phase_end_samples and not (self.captions and self.images):
+            raise ValueError("phase_end_samples > 0 needs captions (captions_val2014.json) and images (val2014/)")
+        return self
 
 
 GUIDANCE_WARN_ABOVE = 9.0
@@ -50,8 +81,10 @@ class Eval(Section):
     batch_size: int = Field(8, ge=1)
     clip_model_path: str | None = None
     """Local folder of a transformers ``CLIPModel`` + processor (e.g. openai/clip-vit-large-patch14
-    saved with ``save_pretrained``); null: CLIP score skipped."""
+    saved with ``save_pretrained``); null: the one ``models.eval_clip`` has ``prepare_models`` save, else CLIP
+    score skipped."""
     fid: Fid = Fid()
+    coco: CocoProtocol = CocoProtocol()
     extra_sizes: list[tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]] = []
     """(width, height) of extra, usually non-square, cells: the first ``extra_prompts`` prompts of the first
     category sampled at each size (same seeds and settings as their square cells), shown as rows below the

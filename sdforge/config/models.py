@@ -110,6 +110,12 @@ class CaptionerBuild(Section):
     loss): without them the model guesses a held-out combination's shape from its colour and background."""
 
 
+EVAL_CLIP_DIR = "eval_clip"
+"""Under ``paths.models``: the scoring CLIP ``prepare_models`` saves (``models.eval_clip``)."""
+FID_INCEPTION_FILE = "fid_inception.pt"
+"""Under ``paths.models``: the FID Inception ``prepare_models`` copies (``models.fid_inception``)."""
+
+
 class Models(Section):
     """Where the frozen VAE / text encoder come from, and the UNet architecture."""
 
@@ -122,6 +128,17 @@ class Models(Section):
     the real architecture from ``sdforge/architectures`` with seeded random weights (``seed``) and CLIP's real
     tokenizer. For ``sdforge preflight`` only, never for a real run: random frozen models give meaningless
     latents and text embeddings."""
+    eval_clip: Url | None = None
+    """The CLIP that scores images (CLIP score of the eval grid and of ``sdforge evaluate --protocol coco``): a
+    hub id (``openai/clip-vit-large-patch14``) or a local folder, loaded with ``from_pretrained`` by
+    ``prepare_models`` and saved to ``${paths.models}/eval_clip/`` (pinned by DVC with the other frozen models);
+    null: none. With ``missing_weights: random`` its real architecture is built with random weights instead."""
+    fid_inception: Url | None = None
+    """The FID Inception (the NVlabs TorchScript ``inception-2015-12-05.pt`` that clean-fid and StyleGAN use): a URL
+    or a local file, copied by ``prepare_models`` to ``${paths.models}/fid_inception.pt``; null: none. With
+    ``missing_weights: random``: a seeded stand-in with its interface (not its architecture, docs/EVAL.md)."""
+    fid_inception_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """The file's SHA-256: a download that differs is refused (null: not checked, its hash is logged)."""
     vae_build: VaeBuild = VaeBuild()
     text_encoder_build: TextEncoderBuild = TextEncoderBuild()
     unet: UNetSpec = UNetSpec()

@@ -14,7 +14,7 @@ from sdforge.config.cluster import Cluster
 from sdforge.config.demo import DemoData
 from sdforge.config.eval import Eval
 from sdforge.config.latents import BucketSet, Encode
-from sdforge.config.models import Models
+from sdforge.config.models import EVAL_CLIP_DIR, FID_INCEPTION_FILE, Models
 from sdforge.config.paths import Paths, Storage, Tracking
 from sdforge.config.phases import Phase
 from sdforge.config.sources import Source
@@ -52,6 +52,20 @@ class Params(Section):
     def phase_resolution(self, phase: str) -> str:
         """The bucket set phase ``phase`` trains on."""
         return self.phases[phase].resolution or next(iter(self.bucket_sets()))
+
+    def eval_clip_path(self) -> str | None:
+        """The scoring CLIP's folder: ``eval.clip_model_path``, else ``${paths.models}/eval_clip`` when
+        ``models.eval_clip`` has ``prepare_models`` save one there, else None."""
+        if self.eval.clip_model_path is not None:
+            return self.eval.clip_model_path
+        return f"{self.paths.models}/{EVAL_CLIP_DIR}" if self.models.eval_clip else None
+
+    def fid_inception_path(self) -> str | None:
+        """The FID Inception file: ``eval.fid.inception_path``, else ``${paths.models}/fid_inception.pt`` when
+        ``models.fid_inception`` has ``prepare_models`` copy one there, else None."""
+        if self.eval.fid.inception_path is not None:
+            return self.eval.fid.inception_path
+        return f"{self.paths.models}/{FID_INCEPTION_FILE}" if self.models.fid_inception else None
 
     def phase_objective(self, phase: str) -> str:
         """``diffusion`` or ``flow_matching``: the phase's own ``objective``, else ``train.objective``."""

@@ -22,6 +22,8 @@ class Paths(Section):
     runs: str
     eval: str
     metrics: str
+    evaluations: str = "evaluations"
+    """``sdforge evaluate``'s results: ``<phase>/coco-<samples>.json`` (outside every DVC stage's outputs)."""
 
     @field_validator("*")
     @classmethod

@@ -25,30 +25,41 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
-@torch.no_grad()
+class ClipScorer:
+    """A transformers ``CLIPModel`` + processor loaded once from a local folder (never a download), on ``device``."""
+
+    def __init__(self, model_path: str | Path, device: torch.device | str = "cpu"):
+        # lazy: only when a CLIP score is asked for
+        from transformers import CLIPModel, CLIPProcessor
+
+        self.device = torch.device(device)
+        self.model = CLIPModel.from_pretrained(model_path, local_files_only=True).eval().to(self.device)
+        self.processor = CLIPProcessor.from_pretrained(model_path, local_files_only=True)
+
+    @torch.no_grad()
+    def scores(self, images: list[np.ndarray], prompts: list[str], batch_size: int = 16) -> list[float]:
+        """Per-image CLIP score ``100 · max(cos, 0)`` of each image with its prompt."""
+        out_scores: list[float] = []
+        for start in range(0, len(images), batch_size):
+            batch = self.processor(
+                text=prompts[start : start + batch_size],
+                images=[Image.fromarray(img) for img in images[start : start + batch_size]],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+            ).to(self.device)
+            out = self.model(**batch)
+            img = torch.nn.functional.normalize(out.image_embeds.float(), dim=-1)
+            txt = torch.nn.functional.normalize(out.text_embeds.float(), dim=-1)
+            out_scores += (100 * (img * txt).sum(-1).clamp(min=0)).cpu().tolist()
+        return out_scores
+
+
 def clip_scores(
     images: list[np.ndarray], prompts: list[str], model_path: str | Path, batch_size: int = 16
 ) -> list[float]:
     """Per-image CLIP score ``100 · max(cos, 0)`` of each image with its prompt (model loaded from ``model_path``)."""
-    # lazy: only when eval.clip_model_path is set
-    from transformers import CLIPModel, CLIPProcessor
-
-    model = CLIPModel.from_pretrained(model_path, local_files_only=True).eval()
-    processor = CLIPProcessor.from_pretrained(model_path, local_files_only=True)
-    scores: list[float] = []
-    for start in range(0, len(images), batch_size):
-        batch = processor(
-            text=prompts[start : start + batch_size],
-            images=[Image.fromarray(img) for img in images[start : start + batch_size]],
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-        )
-        out = model(**batch)
-        img = torch.nn.functional.normalize(out.image_embeds, dim=-1)
-        txt = torch.nn.functional.normalize(out.text_embeds, dim=-1)
-        scores += (100 * (img * txt).sum(-1).clamp(min=0)).tolist()
-    return scores
+    return ClipScorer(model_path).scores(images, prompts, batch_size)
 
 
 def load_images(folder: str | Path, limit: int) -> tuple[list[np.ndarray], int]:
@@ -68,11 +79,13 @@ def load_images(folder: str | Path, limit: int) -> tuple[list[np.ndarray], int]:
 
 @torch.no_grad()
 def inception_features(model: torch.nn.Module, images: list[np.ndarray], batch_size: int = 32) -> np.ndarray:
-    """``[N, D]`` float64 features; images are fed as N×3×H×W float32 in 0..255 (the NVlabs convention)."""
+    """``[N, D]`` float64 features; images are fed as N×3×H×W float32 in 0..255 (the NVlabs convention), on the
+    model's device."""
     feats = []
+    device = next(iter(model.parameters()), torch.empty(0)).device
     for start in range(0, len(images), batch_size):
         x = torch.stack([torch.tensor(np.asarray(i)) for i in images[start : start + batch_size]])
-        x = x.permute(0, 3, 1, 2).float()
+        x = x.permute(0, 3, 1, 2).float().to(device)
         feats.append(model(x, return_features=True).double().cpu().numpy())
     return np.concatenate(feats)
 

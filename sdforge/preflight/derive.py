@@ -10,7 +10,9 @@ the configuration it is given and changes only what a small rehearsal must chang
   samples); on a CPU the per-process batch and the accumulation default to 1 — an SD1.x step at batch 1
   takes ~26 s there, batch 24 would take ten minutes — and one process trains (two 860M-parameter ranks
   do not fit in 24 GiB); the batch grows where a mix needs more samples for every source to get one;
-* eval samples one prompt per category with 2 sampler steps (CLIP score / FID off);
+* eval samples one prompt per category with 2 sampler steps (the grid's FID off; CLIP score with
+  ``models.eval_clip``'s random stand-in); the COCO protocol (``eval.coco.phase_end_samples``) on 2 captions of
+  a COCO-2014 val sample (``preflight_sources/coco_val2014``) with the stand-in scorers;
 * tracking, checkpoints and DVC stay inside the workspace (no S3 remote, no checkpoint upload);
 * ``models.missing_weights: random``: a VAE / text encoder whose weights are not on this machine is built
   from its real configuration with seeded random weights.
@@ -143,8 +145,15 @@ def first_prompts(prompts: dict[str, list[str]] | list[str]) -> dict[str, list[s
     return list(prompts[:1])
 
 
+PREFLIGHT_COCO_SAMPLES = 2
+"""Captions the COCO protocol samples at the preflight's phase ends (its full-size cost is forecast per image)."""
+COCO_DIR = f"{SAMPLES_DIR}/coco_val2014"
+"""The preflight's COCO-2014 val sample (:func:`sdforge.preflight.samples.write_coco_val`)."""
+
+
 def _eval(eval_: dict[str, Any], steps: int) -> dict[str, Any]:
-    """One prompt per category, ``steps`` sampler steps everywhere, CLIP score and FID off."""
+    """One prompt per category, ``steps`` sampler steps everywhere, the grid's FID off; the COCO protocol, when the
+    configuration runs it at phase ends, on the preflight's COCO sample with ``PREFLIGHT_COCO_SAMPLES`` captions."""
     eval_ = copy.deepcopy(eval_)
     eval_["prompts"] = first_prompts(eval_.get("prompts", []))
     eval_["steps"] = steps
@@ -152,8 +161,13 @@ def _eval(eval_: dict[str, Any], steps: int) -> dict[str, Any]:
         category: {**overrides, "steps": steps} if "steps" in overrides else overrides
         for category, overrides in (eval_.get("sampling") or {}).items()
     }
-    eval_["clip_model_path"] = None
+    eval_["clip_model_path"] = None  # the scorers are models.eval_clip / fid_inception's (random stand-ins)
     eval_["fid"] = {**(eval_.get("fid") or {}), "inception_path": None, "reference_dir": None}
+    coco = eval_.get("coco") or {}
+    if coco.get("phase_end_samples"):
+        eval_["coco"] = {**coco, "captions": f"{COCO_DIR}/annotations/captions_val2014.json", "images":
+                         f"{COCO_DIR}/val2014", "phase_end_samples": PREFLIGHT_COCO_SAMPLES,
+                         "steps": steps if coco.get("steps") else None}  # fmt: skip
     return eval_
 
 

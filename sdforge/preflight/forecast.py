@@ -20,6 +20,8 @@ How each stage type is projected (the rates are per image; "this device" uses th
   ~1/3 of a training step's FLOPs) — an assumption, stated in the table.
 * ``caption_images``: the images of recaptioned sources / the measured captioning rate (a source without
   ``recaption`` is a no-op: "fixed"); no pod rate is assumed.
+* ``eval_coco`` (a row of its own, measured inside ``eval_grid``): the COCO protocol's images per second (sampling,
+  CLIP score and FID together); on the pod ``steps × 2`` UNet calls per image at the eval grid's assumed rate.
 * the other stages (metadata, filter, mix, prepare_models) do not scale with the sample: their measured
   time is reported, not projected ("fixed").
 
@@ -185,6 +187,7 @@ def forecast(
         by_kind.setdefault(run.kind, []).append(run)
     images = sum(full_images(full).values())
     rows = [_row(kind, kind_runs, full, preflight, pod, images, cpus) for kind, kind_runs in by_kind.items()]
+    rows += [row] if (row := coco_row(by_kind.get("eval_grid", []), full, pod)) else []
     device_h = sum(r.device_hours or 0 for r in rows)
     pod_h = sum(r.pod_hours or 0 for r in rows)
     totals = {
@@ -231,6 +234,27 @@ def _row(kind: str, runs: list[StageRun], full: dict, preflight: dict, pod: Pod,
         rate = _rate(calls, row.wall_s)
         _project(row, rate, "UNet calls/s", full_eval_unet_calls(full), 3 * pod.train_img_s * pod.gpus,
                  "pod rate assumed 3x training's")
+    return row
+
+
+def coco_row(runs: list[StageRun], full: dict[str, Any], pod: Pod) -> Row | None:
+    """``eval_coco``: the COCO protocol at every phase end (``eval.coco.phase_end_samples`` × phases images) at the
+    measured seconds per image; on the pod, steps × 2 (CFG) UNet calls per image at the eval grid's assumed rate
+    (3 × training's). None when the full run does not evaluate COCO at phase ends or the preflight did not."""
+    measured = [r for r in runs if r.metrics.get("coco_samples")]
+    coco = full.get("eval", {}).get("coco") or {}
+    if not measured or not coco.get("phase_end_samples"):
+        return None
+    seconds = sum(float(r.metrics["coco_seconds"]) for r in measured)
+    row = Row(stage="eval_coco", runs=len(measured), wall_s=round(seconds, 1),
+              peak_rss_gib=round(max(r.peak_rss_bytes for r in measured) / GIB, 2))  # fmt: skip
+    rate = _rate(sum(float(r.metrics["coco_samples"]) for r in measured), seconds)
+    ev = full.get("eval", {})
+    guidance = float(coco.get("guidance_scale") or ev.get("guidance_scale", 7.5))
+    calls = int(coco.get("steps") or ev.get("steps", 50)) * (2 if guidance > 1 else 1)
+    work = int(coco["phase_end_samples"]) * len(full.get("phases", {}))
+    _project(row, rate, "img/s", work, 3 * pod.train_img_s * pod.gpus / calls,
+             f"{coco['phase_end_samples']:,} captions x phases; {calls} UNet calls/img, pod rate assumed 3x training's")
     return row
 
 

@@ -470,3 +470,29 @@ def write_sample_source(name: str, source: dict, repo: Path, http_dir: Path, url
     files = _check_patterns(name, typed, repo)
     log.info("sources.%s: wrote %d %s sample item(s), %d file(s), %d px, into %s", name, n, kind, files, side, repo)
     return {"kind": kind, "items": n, "files": files, "image_size": side}
+
+
+COCO_SIDE = 640
+"""The width of the COCO sample's images (COCO's are mostly 640×480)."""
+
+
+def write_coco_val(root: Path, n: int, side: int, seed: int) -> Path:
+    """COCO-2014 val's layout under ``root`` for the COCO protocol (:mod:`sdforge.eval.coco`): ``n`` drawn images
+    ``val2014/COCO_val2014_<id>.jpg`` (``side`` wide, 3:4, as COCO's are not square) and
+    ``annotations/captions_val2014.json`` with two captions each; returns the captions file."""
+    rng = np.random.default_rng([seed, zlib.crc32(b"coco_val2014")])
+    images, annotations = [], []
+    (root / "val2014").mkdir(parents=True, exist_ok=True)
+    for image_id in range(1, n + 1):
+        drawn = draw_sample(rng, side)
+        name = f"COCO_val2014_{image_id:012d}.jpg"
+        rgb = cv2.resize(drawn.rgb, (side, side * 3 // 4), interpolation=cv2.INTER_AREA)
+        (root / "val2014" / name).write_bytes(encode_image(rgb, ".jpg"))
+        images.append({"id": image_id, "file_name": name, "width": side, "height": side * 3 // 4})
+        annotations += [{"id": 10 * image_id + k, "image_id": image_id, "caption": caption}
+                        for k, caption in enumerate((drawn.caption, " and ".join(drawn.tags[:2])))]  # fmt: skip
+    path = root / "annotations" / "captions_val2014.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"info": {"description": "COCO 2014 Dataset"}, "images": images,
+                                "annotations": annotations}))  # fmt: skip
+    return path

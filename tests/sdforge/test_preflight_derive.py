@@ -157,3 +157,30 @@ def test_captioning_is_projected_only_for_recaptioned_sources():
     laion = full_images(full)["laion"]
     assert row.rate == pytest.approx(2.0) and row.full_work == laion
     assert row.device_hours == pytest.approx(round(laion / 2.0 / 3600, 2)) == row.pod_hours
+
+
+def test_the_coco_protocol_runs_on_the_preflight_sample_and_is_forecast_per_image(tmp_path):
+    from sdforge.eval.coco import reference_image, select_prompts
+    from sdforge.preflight.derive import COCO_DIR, PREFLIGHT_COCO_SAMPLES
+    from sdforge.preflight.samples import COCO_SIDE, write_coco_val
+
+    coco = derived()["eval"]["coco"]
+    assert FULL["eval"]["coco"]["phase_end_samples"] == 5000 and PREFLIGHT_COCO_SAMPLES == 2
+    assert coco["captions"] == f"{COCO_DIR}/annotations/captions_val2014.json" and coco["phase_end_samples"] == 2
+    assert coco["images"] == f"{COCO_DIR}/val2014" and coco["steps"] is None  # eval.steps: the preflight's 2
+    captions = write_coco_val(tmp_path, 3, COCO_SIDE, seed=0)
+    prompts = select_prompts(captions, 3, seed=2014)
+    assert sorted(p.image_id for p in prompts) == [1, 2, 3] and all(p.caption for p in prompts)
+    assert reference_image(tmp_path / "val2014" / prompts[0].file_name, 512).shape == (512, 512, 3)
+    runs = [StageRun("eval_grid@phase7", 300.0, 20 * 1024**3, {"coco_samples": 2, "coco_seconds": 120.0})]
+    pod = Pod(gpus=2, train_img_s=50.0)
+    rows, totals = forecast(runs, FULL, derived(), pod, cpus=2)
+    row = {r.stage: r for r in rows}["eval_coco"]
+    work, calls = 5000 * len(FULL["phases"]), FULL["eval"]["steps"] * 2  # CFG: two UNet calls per step
+    assert (row.rate, row.full_work, row.wall_s) == (pytest.approx(2 / 120, abs=1e-4), work, 120.0)
+    assert row.device_hours == pytest.approx(round(work * 60 / 3600, 2))
+    assert row.pod_hours == pytest.approx(round(work / (3 * 50.0 * 2 / calls) / 3600, 2))
+    assert "| eval_coco |" in table(rows, totals, "cpu")
+    no_coco = copy.deepcopy(FULL)
+    no_coco["eval"]["coco"]["phase_end_samples"] = 0
+    assert "eval_coco" not in {r.stage for r in forecast(runs, no_coco, derived(), pod)[0]}

@@ -115,6 +115,7 @@ def test_work_dir_mounts_follow_params_paths():
         "/opt/sdforge/checkpoints": "checkpoints",
         "/opt/sdforge/data": "data",
         "/opt/sdforge/eval": "eval",
+        "/opt/sdforge/evaluations": "evaluations",
         "/opt/sdforge/metrics": "metrics",
         "/opt/sdforge/models": "models",
         "/opt/sdforge/runs": "runs",

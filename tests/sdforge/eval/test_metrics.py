@@ -11,22 +11,13 @@ import torch
 from PIL import Image
 
 from sdforge.eval.metrics import clip_scores, frechet_distance, image_metrics, inception_features
-from tests.fixtures.eval_workspace import write_tokenizer
+from tests.fixtures.eval_workspace import tiny_clip_parts, write_channel_means
 from tests.fixtures.sources import png_header
-
-
-class ChannelMeans(torch.nn.Module):
-    """Stands in for ``pt_inception-2015-12-05``: ``model(x, return_features=True)`` on 0..255 floats."""
-
-    def forward(self, x: torch.Tensor, return_features: bool = False) -> torch.Tensor:
-        return x.mean(dim=(2, 3)) / 255.0
 
 
 @pytest.fixture(scope="module")
 def inception_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("inception") / "pt_inception-tiny.pt"
-    torch.jit.save(torch.jit.script(ChannelMeans()), str(path))
-    return path
+    return write_channel_means(tmp_path_factory.mktemp("inception") / "pt_inception-tiny.pt")
 
 
 def _images(n: int, seed: int, shift: int = 0) -> list[np.ndarray]:
@@ -91,19 +82,8 @@ RED, BLUE = "a red square", "a blue circle"
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A tiny CLIPModel + processor trained 60 steps to match a red image with RED and a blue one with BLUE."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
     out = tmp_path_factory.mktemp("clip")
-    tokenizer = write_tokenizer(out / "tok")
-    text = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                  patch_size=8)  # fmt: skip
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-    size = {"shortest_edge": 16}
-    processor = CLIPProcessor(CLIPImageProcessor(size=size, crop_size={"height": 16, "width": 16}), tokenizer)
+    model, processor = tiny_clip_parts(out)
     images = [Image.fromarray(img) for img in _coloured()]
     batch = processor(text=[RED, BLUE], images=images, return_tensors="pt", padding=True)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
