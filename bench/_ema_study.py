@@ -19,11 +19,14 @@ from diffusers import UNet2DConditionModel
 from scipy.stats import spearmanr
 
 from sdforge.config import Params
+from sdforge.training.checkpoints import POSTHOC_DIR
 from sdforge.training.conditioning import Conditioning
-from sdforge.training.posthoc import FIXED, write_candidate_checkpoint
+from sdforge.training.posthoc import FIXED, FIXED_EMA, write_candidate_checkpoint
 from sdforge.training.val_loss import HeldOutLoss
 from stages import eval_grid
 
+TRAJECTORY_SIGMA = 0.1
+"""The EMA length whose course through a phase :func:`trajectory` follows (EDM2's usual choice)."""
 PROBE = ("colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out")
 """The probe score of a set of weights: the mean of these four agreements."""
 
@@ -40,18 +43,53 @@ def spearman(val_losses: list[float], scores: list[float]) -> float:
     return float(spearmanr([-v for v in val_losses], scores).statistic)
 
 
-def study(params: Params, base: str, chosen: str) -> dict:
-    """Score the candidates of phase ``base`` (``chosen``: the exported one's name) and the earlier full phases; the
-    rows (kind, name, validation loss, probe score) and the correlations."""
+class Scorer:
+    """Validation loss (on one phase's held-out set) and probe score of a checkpoint folder's ``unet_ema/``."""
+
+    def __init__(self, params: Params, phase: str):
+        self.params, self.phase = params, phase
+        self.held_out = HeldOutLoss.for_phase(params, phase)
+        models, dtype = Path(params.paths.models), params.train.text_encoder_dtype
+        self.conditioning = Conditioning(models, torch.device("cpu"), dtype)
+        self.square_only = params.eval.model_copy(update={"extra_sizes": []})  # the probe score: the square cells
+        self.scratch = Path(params.paths.checkpoints).parent / "ema-study"
+
+    def __call__(self, checkpoint: Path) -> tuple[float, float]:
+        unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
+        val = self.held_out.measure_unet(unet, self.conditioning, self.params.phase_objective(self.phase))["val_loss"]
+        grid = eval_grid.run(self.square_only, self.params.demo, Path(self.params.paths.models), checkpoint,
+                             self.scratch / "eval")  # fmt: skip
+        return val, probe_score(grid)
+
+
+def trajectory(params: Params, phase: str, sigma_rel: float = TRAJECTORY_SIGMA) -> dict:
+    """Phase ``phase``'s σ_rel EMA as it was at each snapshot step (rebuilt from the snapshots up to it): weights
+    of rising quality, scored both ways; the rows (step, validation loss on the phase's held-out set, probe) and
+    their rank correlation."""
+    score, paths = Scorer(params, phase), params.paths
+    steps = sorted(int(p.name[5:13]) for p in (Path(paths.runs) / phase / POSTHOC_DIR).glob("step-*.safetensors"))
+    rows = []
+    for step in steps:
+        checkpoint = write_candidate_checkpoint(Path(paths.checkpoints) / phase, Path(paths.runs) / phase,
+                                                f"{sigma_rel:g}", score.scratch / f"step-{step}", step)  # fmt: skip
+        val, probe = score(checkpoint)
+        rows.append({"step": step, "val_loss": val, "probe": probe})
+    shutil.rmtree(score.scratch, ignore_errors=True)
+    return {"rows": rows, "rho": spearman([r["val_loss"] for r in rows], [r["probe"] for r in rows])}
+
+
+def study(params: Params, base: str, chosen: str | None = None) -> dict:
+    """Score the candidates of phase ``base`` (``chosen``: the exported one's name; None: the lowest validation loss,
+    as training chose) and the earlier full phases; the rows (kind, name, validation loss, probe score) and the
+    correlations."""
     paths = params.paths
-    scratch = Path(paths.checkpoints).parent / "ema-study"
-    held_out = HeldOutLoss.for_phase(params, base)
-    conditioning = Conditioning(Path(paths.models), torch.device("cpu"), params.train.text_encoder_dtype)
-    objective = params.phase_objective(base)
+    score = Scorer(params, base)
+    scratch = score.scratch
     names = list(params.phases)
     earlier = [n for n in names[: names.index(base)] if params.phases[n].adapter is None]
     candidates = [FIXED, *(f"{s:g}" for s in params.train.posthoc_candidates)]
-    square_only = params.eval.model_copy(update={"extra_sizes": []})  # the probe score reads the square cells
+    if chosen is None and not (Path(paths.runs) / base / POSTHOC_DIR / FIXED_EMA).is_file():
+        chosen = FIXED  # the fixed EMA was exported (no rebuild beat it); else: the lowest below, as training chose
     rows, scored = [], {}
     for kind, name in [("candidate", c) for c in candidates] + [("phase", p) for p in [*earlier, base]]:
         if kind == "candidate" and name == chosen or kind == "phase" and name == base:
@@ -62,14 +100,12 @@ def study(params: Params, base: str, chosen: str) -> dict:
         else:
             checkpoint = Path(paths.checkpoints) / name
         if checkpoint not in scored:
-            unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
-            val = held_out.measure_unet(unet, conditioning, objective)["val_loss"]
-            grid = eval_grid.run(square_only, params.demo, Path(paths.models), checkpoint, scratch / "eval" / name)
-            scored[checkpoint] = (val, probe_score(grid))
+            scored[checkpoint] = score(checkpoint)
         val, probe = scored[checkpoint]
         rows.append({"kind": kind, "name": name, "val_loss": val, "probe": probe})
     shutil.rmtree(scratch, ignore_errors=True)
     cands = [r for r in rows if r["kind"] == "candidate"]
+    chosen = chosen or min(cands, key=lambda r: r["val_loss"])["name"]
     phases = [r for r in rows if r["kind"] == "phase"]
     by_name = {r["name"]: r for r in cands}
     return {
@@ -78,6 +114,8 @@ def study(params: Params, base: str, chosen: str) -> dict:
         "rho_phases": spearman([r["val_loss"] for r in phases], [r["probe"] for r in phases]),
         "rho_all": spearman([r["val_loss"] for r in rows], [r["probe"] for r in rows]),
         "chosen": chosen,
+        "chosen_probe": by_name[chosen]["probe"],
+        "fixed_probe": by_name[FIXED]["probe"],
         "chosen_minus_fixed": by_name[chosen]["probe"] - by_name[FIXED]["probe"],
     }
 

@@ -29,7 +29,11 @@ trains nothing: it samples and scores the work dirs' checkpoints again, for an `
 Issue 41's validation loss (``train.held_out``, ``train.val_loss_every``): each run prints phase 1's validation
 loss at every measurement, and the RESULT line adds ``phase1_val_loss_falls`` (runs whose last measurement is
 below the first), ``phase1_val_loss_falls_every_time`` and ``val_loss_share_median`` (its seconds ÷ the
-training seconds).
+training seconds). When the base phase (phase 7) chose a post-hoc EMA in this call, :mod:`bench._ema_study` scores
+its candidates (the fixed EMA and each rebuilt σ_rel) and every earlier full phase both by the validation loss on
+phase 7's held-out set and by the probe: the RESULT line adds ``posthoc_no_worse`` (runs whose exported EMA
+probes at least as well as the fixed one) and the median Spearman correlations ``rho_candidates_median``,
+``rho_phases_median``, ``rho_all_median`` (``--no-ema-study`` skips it: ~15 more eval grids per run).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from pathlib import Path
 import yaml
 
 from bench._common import load_average, machine, result_line
-from bench._ema_study import chosen_name, study
+from bench._ema_study import chosen_name, study, trajectory
 from model.builders import build_unet, unet_config
 from sdforge.config import SCRATCH, Params, load_params
 from sdforge.demo.models import build_demo_text_encoder
@@ -221,6 +225,27 @@ def train_seed(
     return result
 
 
+def study_seed(base: Path, out: Path, seed: int, overrides=(), draw=None, with_study: bool = True) -> dict:
+    """``--study-only``: train nothing; on the work dir an earlier invocation left, follow the first post-hoc phase's
+    EMA through its training (:func:`~bench._ema_study.trajectory`) and, ``with_study``, :func:`bench._ema_study.study`
+    the base phase (a training invocation did that already unless ``--no-ema-study``)."""
+    work = out / (f"seed-{seed}" if draw is None else f"text-encoder-{draw}/seed-{seed}")
+    if not (work / "checkpoints").is_dir():
+        raise SystemExit(f"bench.demo_quality: --study-only: no earlier run in {work}; run without it")
+    overrides = [*overrides, *([] if draw is None else [f"models.text_encoder_build.seed={draw}"])]
+    params = use_text_encoder_draw(base, seed_params(base, work, seed, False, 0, overrides), work)
+    tags = evaluated_phases(params)
+    tracked = [n for n, p in params.phases.items() if p.posthoc_ema and p.adapter is None]
+    if not params.train.posthoc_sigma_rels or not tracked:
+        raise SystemExit("bench.demo_quality: --study-only: no phase tracks a post-hoc EMA (train.posthoc_sigma_rels)")
+    result = {"seed": seed, "draw": params.models.text_encoder_seed, "tags": tags, "train_s": 0.0,
+              "trajectory": trajectory(params, tracked[0]), "trajectory_phase": tracked[0]}  # fmt: skip
+    if with_study:
+        result["study"] = study(params, tags["base"])
+    log.info("seed %d, text encoder %d: %s", seed, result["draw"], result)
+    return result
+
+
 def default_draws(base: Path) -> list[int]:
     """The text encoder ``base`` builds (draw D) and the next one (D + 1)."""
     draw = load_params(base).models.text_encoder_seed
@@ -277,17 +302,33 @@ def ema_study_fields(results: list[dict]) -> dict:
     (printed); on the RESULT line the runs whose chosen EMA probes no worse than the fixed one, and the median rank
     correlations (validation loss vs probe) over the candidates, the phases and both."""
     studied = [r for r in results if r.get("study")]
+    fields = trajectory_fields(results)
     if not studied:
-        return {}
+        return fields
     for r in studied:
         s = r["study"]
         rows = " ".join(f"{x['kind'][0]}:{x['name']}={x['val_loss']:.4f}/{x['probe']:.3f}" for x in s["rows"])
         print(f"seed {r['seed']} text encoder {r['draw']}: chosen {s['chosen']} "
               f"(probe {s['chosen_minus_fixed']:+.3f} vs fixed); rho candidates {s['rho_candidates']:.2f} "
               f"phases {s['rho_phases']:.2f} all {s['rho_all']:.2f}; val_loss/probe {rows}")  # fmt: skip
-    fields = {"posthoc_no_worse": f"{sum(r['study']['chosen_minus_fixed'] >= 0 for r in studied)}/{len(studied)}"}
+    fields["posthoc_no_worse"] = f"{sum(r['study']['chosen_minus_fixed'] >= 0 for r in studied)}/{len(studied)}"
     for key in ("rho_candidates", "rho_phases", "rho_all"):
         fields[f"{key}_median"] = _stat([r["study"] for r in studied], key, statistics.median)
+    return fields
+
+
+def trajectory_fields(results: list[dict]) -> dict:
+    """Per run, the post-hoc phase's EMA through training (step: validation loss / probe), printed; the median and
+    lowest rank correlation on the RESULT line."""
+    fields: dict = {}
+    traced = [r for r in results if r.get("trajectory")]
+    for r in traced:
+        rows = " ".join(f"{x['step']}:{x['val_loss']:.4f}/{x['probe']:.3f}" for x in r["trajectory"]["rows"])
+        print(f"seed {r['seed']} text encoder {r['draw']}: {r['trajectory_phase']} EMA through training, rho "
+              f"{r['trajectory']['rho']:.2f}; step:val_loss/probe {rows}")  # fmt: skip
+    if traced:
+        fields["rho_trajectory_median"] = _stat([r["trajectory"] for r in traced], "rho", statistics.median)
+        fields["rho_trajectory_min"] = _stat([r["trajectory"] for r in traced], "rho", min)
     return fields
 
 
@@ -320,6 +361,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="train nothing: sample and score an earlier invocation's checkpoints again (eval --set)")
     parser.add_argument("--no-ema-study", dest="ema_study", action="store_false",
                         help="skip scoring the base phase's post-hoc EMA candidates and earlier phases on the probe")
+    parser.add_argument("--study-only", action="store_true",
+                        help="train nothing: score an earlier invocation's post-hoc EMAs (phase 1's EMA through "
+                             "training; phase 7's candidates and the earlier phases unless --no-ema-study) by "
+                             "validation loss and probe")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -327,14 +372,17 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [0] if args.quick else args.train_seeds or list(range(args.seeds))
     draws = [None] if args.quick else args.text_encoder_seeds or default_draws(args.params)
     out = args.out.resolve()
-    results = [
-        train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore,
-                   args.ema_study)
-        for d in draws
-        for s in seeds
-    ]
+    if args.study_only:
+        results = [study_seed(args.params, out, s, args.set, d, args.ema_study) for d in draws for s in seeds]
+    else:
+        results = [
+            train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore,
+                       args.ema_study)
+            for d in draws
+            for s in seeds
+        ]
     tags = results[0]["tags"]
-    for row in summary_table(results, tags):
+    for row in summary_table(results, tags) if not args.study_only else []:
         print(row)
     ratio, misses = bar_ratio(results)
     for miss in misses:
@@ -347,9 +395,12 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             fields[f"{name}_{key}_min"] = _stat(results, f"{tag}_{key}", min)
             fields[f"{name}_{key}_median"] = _stat(results, f"{tag}_{key}", statistics.median)
-    fields["probe_truth_min"] = min(
-        min(r[f"{tag}_probe_truth_colour"], r[f"{tag}_probe_truth_shape"]) for r in results for tag in tags
-    )
+    truths = [r.get(f"{tag}_probe_truth_{k}") for r in results for tag in tags for k in ("colour", "shape")]
+    fields["probe_truth_min"] = min((t for t in truths if t is not None), default=float("nan"))
+    if args.study_only and args.ema_study:  # ours = the post-hoc choice, baseline = the fixed EMA, on the probe
+        ratio = min(r["study"]["chosen_probe"] / r["study"]["fixed_probe"] for r in results)
+    elif args.study_only:  # the lowest agreement of the validation loss's ranking with the probe's (1: the same)
+        ratio = min(r["trajectory"]["rho"] for r in results)
     fields["train_s_median"] = _stat(results, "train_s", statistics.median)
     fields.update(val_loss_fields(results))
     fields.update(ema_study_fields(results))

@@ -32,7 +32,16 @@ from sdforge.training.async_checkpoint import (
     fill,
     state_bytes,
 )
-from sdforge.training.checkpoints import STATE, CheckpointError, Retention, capture_rng, restore_rng, rng_path
+from sdforge.training.checkpoints import (
+    POSTHOC_DIR,
+    PREFIX,
+    STATE,
+    CheckpointError,
+    Retention,
+    capture_rng,
+    restore_rng,
+    rng_path,
+)
 from sdforge.training.checkpoints import save_checkpoint as write_checkpoint
 from sdforge.training.distributed import broadcast_object, derive_rank_rng
 from sdforge.training.ledger import LEDGER_DIR, keep_only, write_segment
@@ -236,7 +245,10 @@ class CheckpointManager:
             return
         if self.uploader is None:
             self.uploader = BackgroundUploader(RemoteRun(self.remote), self.run_dir, self.retention)
-        self.uploader.submit(path, [self.run_dir / LEDGER_DIR / e["name"] for e in ledger])
+        step = int(path.name.removeprefix(PREFIX))  # the post-hoc snapshots up to it were written before it
+        snapshots = [p for p in sorted((self.run_dir / POSTHOC_DIR).glob("step-*.safetensors"))
+                     if int(p.name[5:13]) <= step]  # fmt: skip
+        self.uploader.submit(path, [self.run_dir / LEDGER_DIR / e["name"] for e in ledger], snapshots)
 
     def finish_writes(self) -> Path | None:
         """Wait for the background write in flight (every rank: the others wait for rank 0's); its checkpoint."""

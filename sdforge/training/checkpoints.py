@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 COMPLETE = "COMPLETE"
 STATE = "state.pt"
+POSTHOC_DIR = "posthoc"
+"""In a run dir: the post-hoc EMA's snapshots ``step-NNNNNNNN.safetensors`` (:mod:`sdforge.training.posthoc`),
+uploaded with the checkpoints to ``train.checkpoint_s3`` and fetched back on a resume from there."""
 CONFIG = "config.json"
 FORMAT = 3
 """3: ``batch`` counts optimizer steps in the epoch (2: micro-batches), the global batch is recorded."""

@@ -24,16 +24,16 @@ from safetensors.torch import save_file
 
 from model.posthoc_ema import combine, gamma_of, synthesis_coefficients
 from sdforge.config import Params
+from sdforge.training.checkpoints import POSTHOC_DIR
 from sdforge.training.hooks import Hook
 from sdforge.training.val_loss import HeldOutLoss, ValLossHook
 
 log = logging.getLogger(__name__)
 
-POSTHOC_DIR = "posthoc"
-"""In the run dir: ``step-NNNNNNNN.safetensors``, tensors ``<profile>/<parameter>`` (fp32), metadata ``step`` and
-``sigma_rels``; and, when a rebuilt EMA was chosen, ``fixed-ema.safetensors``: the fixed-decay EMA it replaced
-(tensors ``<parameter>``), so that one stays usable (:func:`candidate_weights`)."""
 FIXED_EMA = "fixed-ema.safetensors"
+"""In the run dir's ``POSTHOC_DIR`` beside the snapshots (``step-NNNNNNNN.safetensors``: tensors
+``<profile>/<parameter>``, fp32, metadata ``step`` and ``sigma_rels``), when a rebuilt EMA was chosen: the
+fixed-decay EMA it replaced (tensors ``<parameter>``), so that one stays usable (:func:`candidate_weights`)."""
 FIXED = "fixed"
 """The candidate name of the fixed-decay EMA (the others are named by their σ_rel, ``f"{σ:g}"``)."""
 
@@ -68,15 +68,18 @@ def rebuild(paths: list[Path], sigma_rels: list[float], gammas: list[float], ste
     return combine((c, _profile(p, i, count)) for c, (p, i, _) in zip(coefficients, entries, strict=True))
 
 
-def candidate_weights(run_dir: Path, name: str) -> list[torch.Tensor]:
+def candidate_weights(run_dir: Path, name: str, step: int | None = None) -> list[torch.Tensor]:
     """The trainable tensors of a finished phase's candidate ``name``: ``fixed`` (the fixed-decay EMA, kept when a
     rebuilt one was exported) or a σ_rel (e.g. ``"0.1"``) rebuilt from the run dir's snapshots at the last one's
-    step. A FileNotFoundError names what is missing."""
+    step — or, with ``step``, as it was at that snapshot step (from the snapshots up to it only). A
+    FileNotFoundError names what is missing."""
     folder = Path(run_dir) / POSTHOC_DIR
     if name == FIXED:
+        if step is not None:
+            raise ValueError("the fixed EMA is kept at the phase's end only")
         with safe_open(folder / FIXED_EMA, "pt") as f:  # FileNotFoundError when the fixed EMA itself was exported
             return [f.get_tensor(str(k)) for k in range(len(f.keys()))]
-    paths = sorted(folder.glob("step-*.safetensors"))
+    paths = [p for p in sorted(folder.glob("step-*.safetensors")) if step is None or _step_of(p) <= step]
     if not paths:
         raise FileNotFoundError(f"{folder}: no post-hoc EMA snapshot (train.posthoc_sigma_rels was off?)")
     with safe_open(paths[-1], "pt") as f:
@@ -86,14 +89,15 @@ def candidate_weights(run_dir: Path, name: str) -> list[torch.Tensor]:
     return rebuild(paths, sigma_rels, gammas, _step_of(paths[-1]), float(name), count)
 
 
-def write_candidate_checkpoint(checkpoint_dir: Path, run_dir: Path, name: str, out_dir: Path) -> Path:
+def write_candidate_checkpoint(checkpoint_dir: Path, run_dir: Path, name: str, out_dir: Path,
+                               step: int | None = None) -> Path:  # fmt: skip
     """A copy of a full fine-tune's phase checkpoint ``checkpoint_dir`` in ``out_dir`` whose ``unet_ema/`` holds
-    candidate ``name`` (:func:`candidate_weights`) instead of the exported EMA: to sample or score another EMA
-    length of a finished phase. Returns ``out_dir``."""
+    candidate ``name`` (:func:`candidate_weights`, at ``step``) instead of the exported EMA: to sample or score
+    another EMA length of a finished phase. Returns ``out_dir``."""
     # lazy: diffusers' import costs seconds, and only this offline export needs it here
     from diffusers import UNet2DConditionModel
 
-    weights = candidate_weights(run_dir, name)
+    weights = candidate_weights(run_dir, name, step)
     shutil.rmtree(out_dir, ignore_errors=True)  # out_dir is the caller's scratch copy, never a phase's checkpoint
     shutil.copytree(checkpoint_dir, out_dir)
     unet = UNet2DConditionModel.from_pretrained(out_dir / "unet_ema")
@@ -121,8 +125,9 @@ def _profile(path: Path, profile: int, count: int) -> list[torch.Tensor]:
 class PosthocEmaHook(Hook):
     """Snapshots while training (main rank) and, at the end, the choice of the exported EMA (main rank).
 
-    The snapshots live in the run dir only (not uploaded with ``train.checkpoint_s3``): a run resumed on another
-    machine lacks the earlier ones, and then exports the fixed-decay EMA with a warning and
+    With ``train.checkpoint_s3`` the snapshots are uploaded with the checkpoints (each once, before the checkpoint
+    of its step) and a run resumed from S3 fetches those up to its checkpoint. One that is still missing (no
+    upload, a failed one) makes the phase export the fixed-decay EMA with a warning and
     ``posthoc_ema.missing_snapshots`` > 0 rather than fail the phase at its end."""
 
     def __init__(self, params: Params, phase_name: str, run_dir: Path, val_loss: ValLossHook | None = None):

@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sdforge.training.checkpoints import COMPLETE, PREFIX, CheckpointError, Retention, retained, verify_checkpoint
+from sdforge.training.checkpoints import (
+    COMPLETE,
+    POSTHOC_DIR,
+    PREFIX,
+    CheckpointError,
+    Retention,
+    retained,
+    verify_checkpoint,
+)
 from sdforge.training.ledger import LEDGER_DIR
 
 log = logging.getLogger(__name__)
@@ -141,11 +149,37 @@ class RemoteRun:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self.download_ledger(remote.manifest.get("ledger", []), run_dir)
+        self.download_snapshots(run_dir, remote.step)
         return final
 
     def upload_ledger(self, segment: Path) -> None:
         """Upload one ledger segment (``<run dir>/ledger/<name>``) to ``<run>/ledger/<name>``."""
-        self.s3.upload_file(str(segment), self.bucket, self._key(LEDGER_DIR, segment.name), Config=self.transfer)
+        self.upload_side(LEDGER_DIR, segment)
+
+    def upload_side(self, folder: str, path: Path) -> None:
+        """Upload a run-dir side file (a ledger segment, a post-hoc EMA snapshot) to ``<run>/<folder>/<name>``."""
+        self.s3.upload_file(str(path), self.bucket, self._key(folder, path.name), Config=self.transfer)
+
+    def download_snapshots(self, run_dir: Path, up_to_step: int) -> int:
+        """Fetch the post-hoc EMA snapshots (``<run>/posthoc/step-NNNNNNNN.safetensors``) of steps ≤ ``up_to_step``
+        that ``run_dir/posthoc/`` lacks; how many. A failed one is a warning: the phase then exports the fixed EMA
+        and counts it (``posthoc_ema.missing_snapshots``)."""
+        fetched = 0
+        for key in self._keys(self._key(POSTHOC_DIR) + "/"):
+            name = key.rsplit("/", 1)[-1]
+            target = run_dir / POSTHOC_DIR / name
+            if target.is_file() or not name.startswith("step-") or int(name[5:13]) > up_to_step:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".download")
+            try:
+                self.s3.download_file(self.bucket, key, str(tmp), Config=self.transfer)
+            except Exception as err:  # noqa: BLE001 - a missing snapshot must not stop a resume
+                log.warning("post-hoc EMA snapshot %s/%s not fetched (%s)", self.url, key, err)
+                continue
+            os.replace(tmp, target)
+            fetched += 1
+        return fetched
 
     def download_ledger(self, entries: list[dict], run_dir: Path) -> None:
         """Fetch the listed ledger segments that ``run_dir`` lacks; one missing remotely is a warning (the
@@ -191,9 +225,9 @@ class BackgroundUploader:
         self.failed = 0
         self.uploaded_segments: set[str] = set()
 
-    def submit(self, ckpt: Path, ledger: list[Path] | tuple = ()) -> None:
-        """Snapshot ``ckpt`` and the ``ledger`` segments not uploaded yet (hard links; copies where links
-        fail) and queue their upload: segments first, then the checkpoint that lists them."""
+    def submit(self, ckpt: Path, ledger: list[Path] | tuple = (), snapshots: list[Path] | tuple = ()) -> None:
+        """Snapshot ``ckpt``, the ``ledger`` segments and the post-hoc EMA ``snapshots`` not uploaded yet (hard links;
+        copies where links fail) and queue their upload: side files first, then the checkpoint that lists them."""
         snap = self.spool / ckpt.name
         shutil.rmtree(snap, ignore_errors=True)
         try:
@@ -202,15 +236,15 @@ class BackgroundUploader:
             shutil.rmtree(snap, ignore_errors=True)
             shutil.copytree(ckpt, snap)
         segments = []
-        for segment in ledger:
-            if segment.name in self.uploaded_segments:
+        for folder, path in [*((LEDGER_DIR, p) for p in ledger), *((POSTHOC_DIR, p) for p in snapshots)]:
+            if f"{folder}/{path.name}" in self.uploaded_segments:
                 continue
-            copy = self.spool / f"{snap.name}.{LEDGER_DIR}" / segment.name
+            copy = self.spool / f"{snap.name}.{folder}" / path.name
             copy.parent.mkdir(parents=True, exist_ok=True)
             try:
-                os.link(segment, copy)
+                os.link(path, copy)
             except OSError:
-                shutil.copy2(segment, copy)
+                shutil.copy2(path, copy)
             segments.append(copy)
         future = self.pool.submit(self._upload, snap, segments)
         self.pending.append(future)
@@ -220,8 +254,9 @@ class BackgroundUploader:
     def _upload(self, snap: Path, segments: list[Path] = ()) -> None:
         try:
             for segment in segments:
-                self.remote.upload_ledger(segment)
-                self.uploaded_segments.add(segment.name)
+                folder = segment.parent.name.removeprefix(f"{snap.name}.")
+                self.remote.upload_side(folder, segment)
+                self.uploaded_segments.add(f"{folder}/{segment.name}")
             self.remote.upload(snap)
             fingerprint = json.loads((snap / COMPLETE).read_text()).get("fingerprint")
             self.remote.prune(self.retention, fingerprint)
@@ -230,7 +265,8 @@ class BackgroundUploader:
             log.error("upload of %s to %s failed (%s); the local checkpoint is kept", snap.name, self.remote.url, err)
         finally:
             shutil.rmtree(snap, ignore_errors=True)
-            shutil.rmtree(self.spool / f"{snap.name}.{LEDGER_DIR}", ignore_errors=True)
+            for folder in (LEDGER_DIR, POSTHOC_DIR):
+                shutil.rmtree(self.spool / f"{snap.name}.{folder}", ignore_errors=True)
 
     def close(self) -> None:
         """Wait for every pending upload."""

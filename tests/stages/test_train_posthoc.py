@@ -119,6 +119,9 @@ def test_every_candidate_can_be_read_back_and_scored_offline(straight, tmp_path)
     if chosen != FIXED:
         assert all(torch.equal(a, b) for a, b in zip(candidate_weights(run, FIXED), _fixed_ema(run), strict=True))
         assert all(torch.equal(exported[n], t) for n, t in zip(names, candidate_weights(run, chosen), strict=True))
+    paths = sorted((run / POSTHOC_DIR).glob("step-*.safetensors"))
+    early = rebuild(paths[:2], SIGMA_RELS, _gammas(), 2, 0.15, len(names))  # as it was at step 2
+    assert all(torch.equal(a, b) for a, b in zip(candidate_weights(run, "0.15", step=2), early, strict=True))
     params = load_params(straight)
     held_out = HeldOutLoss.for_phase(params, "phase1")
     conditioning = Conditioning(root / "models", torch.device("cpu"), params.train.text_encoder_dtype)
@@ -142,3 +145,26 @@ def test_a_phase_that_opts_out_keeps_the_fixed_ema_only(straight, tmp_path):
     fixed = _fixed_ema(straight.parent / "runs/phase1")  # the post-hoc run's fixed EMA: training is the same
     exported = weights(tmp_path, "phase1", "unet_ema")
     assert all(torch.equal(exported[n], t) for n, t in zip(_names(tmp_path), fixed, strict=True))
+
+
+def test_a_pod_resumed_from_s3_fetches_the_snapshots_and_exports_the_same_weights(straight, tmp_path, moto_s3,
+                                                                                  monkeypatch):  # fmt: skip
+    import shutil
+
+    params = untrained_clone(straight.parent, tmp_path)
+    edit_params(params, "train", checkpoint_s3=moto_s3.url("ckpts"))
+    monkeypatch.setenv("SDFORGE_CHECKPOINT_UPLOAD", "sync")  # uploads finish before the kill
+    died = train(params, "phase1", kill_at=3)  # snapshots 1-3 written; checkpoint 2 uploaded with snapshots 1-2
+    assert died.returncode == -9, died.stderr[-3000:]
+    listing = moto_s3.client.list_objects_v2(Bucket=moto_s3.bucket, Prefix="ckpts/phase1/")
+    uploaded = sorted(k["Key"].rsplit("/", 1)[-1] for k in listing["Contents"] if f"/{POSTHOC_DIR}/" in k["Key"])
+    assert uploaded == ["step-00000001.safetensors", "step-00000002.safetensors"]
+    shutil.rmtree(tmp_path / "runs")  # a fresh pod
+    monkeypatch.delenv("SDFORGE_CHECKPOINT_UPLOAD")
+    done = train(params, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    m, first = _metrics(params), _metrics(straight)
+    assert m["resumed_at_step"] == 2 and m["posthoc_ema.missing_snapshots"] == 0
+    assert m["posthoc_ema.sigma_rel"] == first["posthoc_ema.sigma_rel"]
+    a, b = weights(straight.parent, "phase1", "unet_ema"), weights(tmp_path, "phase1", "unet_ema")
+    assert all(torch.equal(a[k], b[k]) for k in a)
