@@ -34,12 +34,17 @@ its candidates (the fixed EMA and each rebuilt σ_rel) and every earlier full ph
 phase 7's held-out set and by the probe: the RESULT line adds ``posthoc_no_worse`` (runs whose exported EMA
 probes at least as well as the fixed one) and the median Spearman correlations ``rho_candidates_median``,
 ``rho_phases_median``, ``rho_all_median`` (``--no-ema-study`` skips it: ~15 more eval grids per run).
+``--study-only`` trains nothing: on an earlier invocation's work dirs it follows phase 1's σ_rel 0.10 EMA through
+training (rebuilt at each snapshot step) and prints ``rho_trajectory_median`` / ``_min`` (the validation loss's
+ranking of those weights against the probe's), plus the study above unless ``--no-ema-study``. Its ratio: with the
+study, the post-hoc choice's probe score ÷ the fixed EMA's (lowest over the runs); without, the lowest ρ.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import statistics
 import time
@@ -312,8 +317,10 @@ def ema_study_fields(results: list[dict]) -> dict:
               f"(probe {s['chosen_minus_fixed']:+.3f} vs fixed); rho candidates {s['rho_candidates']:.2f} "
               f"phases {s['rho_phases']:.2f} all {s['rho_all']:.2f}; val_loss/probe {rows}")  # fmt: skip
     fields["posthoc_no_worse"] = f"{sum(r['study']['chosen_minus_fixed'] >= 0 for r in studied)}/{len(studied)}"
-    for key in ("rho_candidates", "rho_phases", "rho_all"):
-        fields[f"{key}_median"] = _stat([r["study"] for r in studied], key, statistics.median)
+    for key in ("rho_candidates", "rho_phases", "rho_all"):  # NaN: the probe scored every set alike (no ranking)
+        defined = [r["study"] for r in studied if not math.isnan(r["study"][key])]
+        fields[f"{key}_median"] = _stat(defined, key, statistics.median)
+        fields[f"{key}_defined"] = f"{len(defined)}/{len(studied)}"
     return fields
 
 
