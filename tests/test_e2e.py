@@ -218,7 +218,8 @@ def test_phase_parent_run_summarises_its_stages(project):
 
 def test_report_compares_the_phases_and_is_logged(project):
     page = (project / "eval/report.html").read_text()
-    rows = [r for r in page.split("<tr>")[2:]]
+    phases = page.split('<table id="phases">')[1].split("</table>")[0]
+    rows = [r for r in phases.split("<tr>")[2:]]
     assert [r.split("</td>")[0].removeprefix("<td>") for r in rows] == ["phase1", "phase2"]
     # the loss chart + one strip per eval category (seen, held_out, concept)
     assert page.count("data:image/png;base64,") == 1 + 3
@@ -232,6 +233,12 @@ def test_report_compares_the_phases_and_is_logged(project):
     assert report.data.metrics["report.phase2.final_loss"] == metrics(project, "train", "phase2")["final_loss"]
     val = metrics(project, "train", "phase2")["final_val_loss"]
     assert "<th>val loss</th>" in page and report.data.metrics["report.phase2.final_val_loss"] == val
+    first = metrics(project, "train", "phase1")  # post-hoc EMA: a snapshot per step (< 8), 6 candidates + the fixed
+    scores = [k for k in first if k.startswith("posthoc_ema.val_loss.")]
+    assert first["posthoc_ema.snapshots"] == min(8, first["steps"]) and len(scores) == 7
+    assert first["posthoc_ema.missing_snapshots"] == 0
+    table = page.split('<table id="posthoc">')[1].split("</table>")[0]
+    assert table.count("<tr>") == 2 and "<td>phase1</td>" in table and table.count("<b>") == 1
 
 
 def test_mlflow_ui_pages_in_a_browser(project, tmp_path):

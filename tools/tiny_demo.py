@@ -22,14 +22,16 @@ def free_port() -> int:
 
 def shrink(params: dict, port: int) -> dict:
     """The demo params, made small enough for a test: 2 phases (demo phase 0 at its low resolution, then the
-    demo's adapter phase 8 at the high one: a resolution change and an adapter on it), fewer rows and steps."""
+    demo's adapter phase 8 at the high one: a resolution change and an adapter on it; the first with the post-hoc
+    EMA), fewer rows and steps."""
     demo = params["demo"]
     demo.update(laion_rows=96, archive_images=48, http_port=port)
     if demo.get("concept"):
         demo["concept"]["images"] = 32
     params["models"]["vae_build"].update(train_steps=30)
     params["phases"] = {  # phase 1 at the low resolution, phase 2 (an adapter) at the high one
-        "phase1": {**params["phases"]["phase0"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2},
+        "phase1": {**params["phases"]["phase0"], "samples": 64, "epochs": 2, "batch_size": 16, "warmup_steps": 2,
+                   "posthoc_ema": True},  # the demo chooses its EMA post hoc in phases 1 and 7
         "phase2": {**params["phases"]["phase8"], "init_from": "phase1", "samples": 48, "epochs": 1,
                    "batch_size": 16, "warmup_steps": 1},
     }
