@@ -97,6 +97,12 @@ PREFLIGHT_HELD_OUT = 2
 phase, at its end, on these (its full-size cost is forecast from the measured seconds per sample)."""
 
 
+CPU_HANG_TIMEOUT_S = 3600.0
+"""``train.hang_timeout_s`` of a CPU preflight. The watchdog's automatic limit has no step time to scale until a
+phase's second step ends (the first may compile), so it is 300 s there; a full-size step on a 2-core CPU takes
+26–160 s alone and more than 300 s beside other work (a preflight's last phase was killed so, 2026-11-27)."""
+
+
 def _train(train: dict[str, Any], shrink: Shrink) -> dict[str, Any]:
     """No checkpoint upload; ``shrink.nproc`` processes on one node; a small held-out set measured at phase ends;
     no post-hoc EMA (its memory and disk are forecast from the full config instead)."""
@@ -105,6 +111,8 @@ def _train(train: dict[str, Any], shrink: Shrink) -> dict[str, Any]:
     train["val_loss_every"] = 0
     train["posthoc_sigma_rels"] = []  # two more fp32 UNets do not fit beside SD1.5's training in 24 GiB; forecast only
     train["checkpoint_s3"] = None
+    if shrink.device == "cpu" and not train.get("hang_timeout_s"):
+        train["hang_timeout_s"] = CPU_HANG_TIMEOUT_S
     train["nproc_per_node"] = shrink.nproc
     train["nnodes"] = 1
     train["node_rank"] = 0

@@ -76,6 +76,7 @@ def test_every_phase_runs_exactly_the_asked_steps(device, batch, accum):
         n: expected.get(n, batch) for n in params["phases"]
     }
     assert params["train"]["nproc_per_node"] == 1 and params["train"]["checkpoint_s3"] is None
+    assert params["train"].get("hang_timeout_s") == (3600.0 if device == "cpu" else None)  # full config: null
 
 
 def test_eval_keeps_one_prompt_per_category_and_two_steps():
