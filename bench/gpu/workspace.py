@@ -66,7 +66,7 @@ def workspace_params(root: Path, unet: dict, samples: int, train: dict, phase: d
         num_hidden_layers=1,
         max_position_embeddings=TOKENS,
     )
-    data["train"].update(validation_every=0, held_out=0, progress_bar=False, **train)
+    data["train"].update(validation_every=0, held_out=0, posthoc_sigma_rels=[], progress_bar=False, **train)
     base = {"mix": {SOURCE: 1.0}, "samples": samples, "with_replacement": False, "init_from": "scratch"}
     data["phases"] = {PHASE: {**base, **phase}}
     return data
