@@ -20,8 +20,9 @@ How each stage type is projected (the rates are per image; "this device" uses th
   ~1/3 of a training step's FLOPs) — an assumption, stated in the table.
 * ``caption_images``: the images of recaptioned sources / the measured captioning rate (a source without
   ``recaption`` is a no-op: "fixed"); no pod rate is assumed.
-* ``eval_coco`` (a row of its own, measured inside ``eval_grid``): the COCO protocol's images per second (sampling,
-  CLIP score and FID together); on the pod ``steps × 2`` UNet calls per image at the eval grid's assumed rate.
+* ``eval_coco`` (a row of its own, measured inside ``eval_grid``): the COCO protocol's UNet calls per second
+  (sampling, CLIP score and FID together in the time) × the full run's ``phase_end_samples × phases × steps × 2``;
+  on the pod at the eval grid's assumed rate.
 * the other stages (metadata, filter, mix, prepare_models) do not scale with the sample: their measured
   time is reported, not projected ("fixed").
 
@@ -238,9 +239,10 @@ def _row(kind: str, runs: list[StageRun], full: dict, preflight: dict, pod: Pod,
 
 
 def coco_row(runs: list[StageRun], full: dict[str, Any], pod: Pod) -> Row | None:
-    """``eval_coco``: the COCO protocol at every phase end (``eval.coco.phase_end_samples`` × phases images) at the
-    measured seconds per image; on the pod, steps × 2 (CFG) UNet calls per image at the eval grid's assumed rate
-    (3 × training's). None when the full run does not evaluate COCO at phase ends or the preflight did not."""
+    """``eval_coco``: the COCO protocol at every phase end, in UNet calls (``eval.coco.phase_end_samples`` × phases ×
+    steps × 2 with CFG), at the rate measured in the preflight (its own steps and guidance, from the metrics; the
+    scoring counted in the time); on the pod at the eval grid's assumed rate (3 × training's). None when the full
+    run does not evaluate COCO at phase ends or the preflight did not."""
     measured = [r for r in runs if r.metrics.get("coco_samples")]
     coco = full.get("eval", {}).get("coco") or {}
     if not measured or not coco.get("phase_end_samples"):
@@ -248,14 +250,20 @@ def coco_row(runs: list[StageRun], full: dict[str, Any], pod: Pod) -> Row | None
     seconds = sum(float(r.metrics["coco_seconds"]) for r in measured)
     row = Row(stage="eval_coco", runs=len(measured), wall_s=round(seconds, 1),
               peak_rss_gib=round(max(r.peak_rss_bytes for r in measured) / GIB, 2))  # fmt: skip
-    rate = _rate(sum(float(r.metrics["coco_samples"]) for r in measured), seconds)
+    done = sum(float(r.metrics["coco_samples"]) * _calls(r.metrics["coco_steps"], r.metrics["coco_guidance_scale"])
+               for r in measured)  # fmt: skip
     ev = full.get("eval", {})
-    guidance = float(coco.get("guidance_scale") or ev.get("guidance_scale", 7.5))
-    calls = int(coco.get("steps") or ev.get("steps", 50)) * (2 if guidance > 1 else 1)
-    work = int(coco["phase_end_samples"]) * len(full.get("phases", {}))
-    _project(row, rate, "img/s", work, 3 * pod.train_img_s * pod.gpus / calls,
-             f"{coco['phase_end_samples']:,} captions x phases; {calls} UNet calls/img, pod rate assumed 3x training's")
+    guidance = coco.get("guidance_scale") or ev.get("guidance_scale", 7.5)
+    per_image = _calls(coco.get("steps") or ev.get("steps", 50), guidance)
+    work = int(coco["phase_end_samples"]) * len(full.get("phases", {})) * per_image
+    note = f"{coco['phase_end_samples']:,} captions x phases x {per_image} UNet calls; pod rate assumed 3x training's"
+    _project(row, _rate(done, seconds), "UNet calls/s", work, 3 * pod.train_img_s * pod.gpus, note)
     return row
+
+
+def _calls(steps: float, guidance: float) -> int:
+    """UNet evaluations per image: ``steps``, twice with classifier-free guidance."""
+    return int(steps) * (2 if float(guidance) > 1 else 1)
 
 
 def _caption_row(row: Row, runs: list[StageRun], full: dict) -> None:

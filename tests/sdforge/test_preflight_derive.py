@@ -173,14 +173,17 @@ def test_the_coco_protocol_runs_on_the_preflight_sample_and_is_forecast_per_imag
     prompts = select_prompts(captions, 3, seed=2014)
     assert sorted(p.image_id for p in prompts) == [1, 2, 3] and all(p.caption for p in prompts)
     assert reference_image(tmp_path / "val2014" / prompts[0].file_name, 512).shape == (512, 512, 3)
-    runs = [StageRun("eval_grid@phase7", 300.0, 20 * 1024**3, {"coco_samples": 2, "coco_seconds": 120.0})]
+    runs = [StageRun("eval_grid@phase7", 300.0, 20 * 1024**3,
+                     {"coco_samples": 2, "coco_seconds": 120.0, "coco_steps": 2, "coco_guidance_scale": 7.5})]
     pod = Pod(gpus=2, train_img_s=50.0)
     rows, totals = forecast(runs, FULL, derived(), pod, cpus=2)
     row = {r.stage: r for r in rows}["eval_coco"]
-    work, calls = 5000 * len(FULL["phases"]), FULL["eval"]["steps"] * 2  # CFG: two UNet calls per step
-    assert (row.rate, row.full_work, row.wall_s) == (pytest.approx(2 / 120, abs=1e-4), work, 120.0)
-    assert row.device_hours == pytest.approx(round(work * 60 / 3600, 2))
-    assert row.pod_hours == pytest.approx(round(work / (3 * 50.0 * 2 / calls) / 3600, 2))
+    calls = FULL["eval"]["steps"] * 2  # CFG: two UNet calls per step
+    work = 5000 * len(FULL["phases"]) * calls
+    assert (row.rate, row.full_work, row.wall_s, row.unit) == (pytest.approx(8 / 120, abs=1e-4), work, 120.0,
+                                                               "UNet calls/s")  # 2 images x 2 steps x 2  # fmt: skip
+    assert row.device_hours == pytest.approx(round(work * 15 / 3600, 2))
+    assert row.pod_hours == pytest.approx(round(work / (3 * 50.0 * 2) / 3600, 2))
     assert "| eval_coco |" in table(rows, totals, "cpu")
     no_coco = copy.deepcopy(FULL)
     no_coco["eval"]["coco"]["phase_end_samples"] = 0
