@@ -73,9 +73,9 @@ RUN pip install --no-cache-dir -e . \
  && python -c "import torch, sys; v, c = torch.__version__, torch.version.cuda; \
 sys.exit(0 if v.split('+')[0] == '${TORCH_VERSION}' and c and '${CUDA_VERSION}'.startswith(c + '.') \
 else f'torch {v} (CUDA {c}) is not ${TORCH_VERSION} for CUDA ${CUDA_VERSION}')" \
- && mkdir -p /cache/huggingface /cache/torch data models checkpoints runs eval metrics .dvc/cache .dvc/tmp \
+ && mkdir -p /cache/huggingface /cache/torch data models checkpoints runs eval evaluations metrics .dvc/cache .dvc/tmp \
  && chown sdforge:sdforge /opt/sdforge \
- && chown -R sdforge:sdforge /cache data models checkpoints runs eval metrics .dvc
+ && chown -R sdforge:sdforge /cache data models checkpoints runs eval evaluations metrics .dvc
 
 # Run-time settings (no credentials: MLFLOW_TRACKING_URI and the like come from the pod spec). The Makefile's
 # analytics switches, not its offline ones: the full config downloads its frozen models into HF_HOME.
@@ -95,7 +95,7 @@ ENV HF_HOME=/cache/huggingface \
 # DVC's cache. A whole DVC output must never be a mount point — DVC deletes an output folder before it reruns the
 # stage, which fails on one (EBUSY) — so the full config keeps prepare_models' output one level down (models/sd).
 VOLUME ["/cache", "/opt/sdforge/data", "/opt/sdforge/models", "/opt/sdforge/checkpoints", "/opt/sdforge/runs", \
-        "/opt/sdforge/eval", "/opt/sdforge/metrics", "/opt/sdforge/.dvc/cache"]
+        "/opt/sdforge/eval", "/opt/sdforge/evaluations", "/opt/sdforge/metrics", "/opt/sdforge/.dvc/cache"]
 
 # Labels last: a build arg invalidates the cache of every RUN after its ARG line (GIT_SHA changes per commit).
 ARG GIT_SHA=unknown

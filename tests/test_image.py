@@ -337,7 +337,8 @@ def test_hf_home_and_the_work_dir_are_volumes(dockerfile: str, stage: list[tuple
     assert "/cache" in volumes(stage) and f"{REPO_DIR}/data" in volumes(stage)
     assert volume_problems(BAD) == [
         "HF_HOME /root/.cache/hf is under no VOLUME []",
-        *[f"work folder {t} is not a VOLUME" for t in [".dvc/cache", "checkpoints", "data", "eval", "metrics", "runs"]],
+        *[f"work folder {t} is not a VOLUME" for t in [".dvc/cache", "checkpoints", "data", "eval", "evaluations",
+                                                     "metrics", "runs"]],
     ]
     # the demo's params keep prepare_models' output at the top (`models`): a volume there is what the check flags
     assert "models" in dvc_whole_outputs(yaml.safe_load((ROOT / "params.yaml").read_text()))
