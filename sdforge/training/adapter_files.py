@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders import StableDiffusionLoraLoaderMixin
-from diffusers.utils import convert_state_dict_to_diffusers
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
@@ -31,8 +30,13 @@ UNET_FILE = "diffusion_pytorch_model.safetensors"
 
 
 def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
-    """``unet``'s current adapter weights as ``folder/pytorch_lora_weights.safetensors`` (diffusers' format)."""
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    """``unet``'s current adapter weights as ``folder/pytorch_lora_weights.safetensors`` (diffusers' format).
+
+    The keys stay peft's (``lora_A``/``lora_B``): diffusers' ``convert_state_dict_to_diffusers`` renames only the
+    attention projections (``to_q.lora_A`` → ``to_q.lora.down``), and ``load_lora_adapter`` converts back only when
+    the file's first key is of that kind — a LoRA on attention and other layers (``time_embedding``, ``proj``, …)
+    then loaded without its attention weights (diffusers 0.42; tests/sdforge/training/test_adapter_files.py)."""
+    layers = get_peft_model_state_dict(unet)
     metadata = unet.peft_config["default"].to_dict()
     StableDiffusionLoraLoaderMixin.save_lora_weights(
         folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
