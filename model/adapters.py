@@ -122,3 +122,20 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     base = sum(v.numel() for v in plain_state_dict(model).values())
     return trainable, base
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block ``model`` computes without its adapters (peft's ``enable_adapters(False)`` on each layer:
+    exactly the base layers' output); afterwards they are on again. A distillation phase's frozen teacher is its
+    student with the adapter switched off (:mod:`model.consistency`)."""
+    layers = adapter_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no adapter to switch off")
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

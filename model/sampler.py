@@ -1,14 +1,29 @@
 """Text-to-image sampling: DDIM (diffusion phases) or Euler (flow-matching phases) with classifier-free
-guidance and a real negative prompt.
+guidance and a real negative prompt; LCM for consistency-distilled (``distill``) diffusion phases.
 
 One sampler for the eval grid, ``sdforge generate`` and validation during training.
 The DDIM scheduler never clamps the predicted x0 (SD latents have std ≈ 4 before scaling;
-the reference run's ``clamp(-1, 1)`` was a bug), and uses the training betas. Both are diffusers
+the reference run's ``clamp(-1, 1)`` was a bug), and uses the training betas. All are diffusers
 schedulers that ``StableDiffusionPipeline`` runs, so an exported folder samples what we sample.
+
+Distilled phases (LCM-LoRA, ``phases.<p>.distill``) sample in a few steps with guidance 1 (the guidance is in
+the teacher's solve; with ``guidance_scale <= 1`` :func:`sample_latents` makes one UNet call per step on the
+prompt alone, as ``StableDiffusionPipeline`` does):
+
+- diffusion: diffusers' ``LCMScheduler`` (:func:`lcm_scheduler`): each step takes the student's consistency
+  value ``c_skip·x + c_out·x0̂`` and re-noises it to the next timestep with fresh noise from the image's own
+  generator;
+- flow matching: the flow Euler sampler (:func:`flow_euler_scheduler`) unchanged. Each of its steps predicts
+  ``x0̂ = x − σ·v`` — the student's consistency value — and moves to ``(1 − σ')·x0̂ + σ'·ε̂`` with the noise
+  ``ε̂ = x + (1 − σ)·v`` the step implies, not fresh noise: deterministic consistency sampling (TCD with
+  γ = 0). diffusers' ``FlowMatchLCMScheduler`` re-noises instead, but ``StableDiffusionPipeline`` cannot run it
+  (no ``init_noise_sigma`` nor ``scale_model_input`` in diffusers 0.42), and an export must be a plain
+  ``StableDiffusionPipeline`` folder that draws our pixels.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,11 +33,26 @@ if TYPE_CHECKING:  # annotations only: the schedulers are imported where they ar
         AutoencoderKL,
         DDIMScheduler,
         DPMSolverMultistepScheduler,
+        LCMScheduler,
         SchedulerMixin,
         UNet2DConditionModel,
     )
 
 OBJECTIVES = ("diffusion", "flow_matching")
+TRAINING_KEYS = (
+    "num_train_timesteps",
+    "beta_start",
+    "beta_end",
+    "beta_schedule",
+    "prediction_type",
+    "rescale_betas_zero_snr",
+)
+"""The training scheduler's keys a diffusion sampler takes over (the betas and what the UNet predicts)."""
+
+
+def _training_keys(train_scheduler_config: dict) -> dict:
+    """The :data:`TRAINING_KEYS` present in ``train_scheduler_config``."""
+    return {k: train_scheduler_config[k] for k in TRAINING_KEYS if k in train_scheduler_config}
 
 
 def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
@@ -31,17 +61,9 @@ def ddim_from_training(train_scheduler_config: dict) -> DDIMScheduler:
     With zero-terminal-SNR betas the timesteps are "trailing", so sampling starts at t = T where
     the model was trained on pure noise (Lin et al. 2023); otherwise SD's "leading" + offset 1.
     """
-    keys = (
-        "num_train_timesteps",
-        "beta_start",
-        "beta_end",
-        "beta_schedule",
-        "prediction_type",
-        "rescale_betas_zero_snr",
-    )
     from diffusers import DDIMScheduler  # lazy: diffusers costs 4-6 s to import, and a skipped eval grid imports this
 
-    cfg = {k: train_scheduler_config[k] for k in keys if k in train_scheduler_config}
+    cfg = _training_keys(train_scheduler_config)
     spacing = "trailing" if cfg.get("rescale_betas_zero_snr") else "leading"
     # steps_offset only shifts "leading" timesteps; 1 everywhere, because diffusers' StableDiffusionPipeline
     # rewrites any other value to 1 (with a deprecation warning) when it loads an exported folder
@@ -72,9 +94,32 @@ def flow_euler_scheduler(num_train_timesteps: int = 1000, shift: float = 1.0) ->
     )
 
 
-def sampling_scheduler(train_scheduler_config: dict, objective: str = "diffusion", flow_shift: float = 1.0):
+def lcm_scheduler(
+    train_scheduler_config: dict, num_ddim_timesteps: int = 50, timestep_scaling: float = 10.0
+) -> LCMScheduler:
+    """diffusers' ``LCMScheduler`` for a consistency-distilled diffusion phase: the training betas and prediction
+    type, the distillation's solver grid (``original_inference_steps``: timesteps ``k·T/N − 1``) and boundary
+    scalings (``timestep_scaling``), no x0 clamp."""
+    from diffusers import LCMScheduler  # lazy: diffusers costs 4-6 s to import (ddim_from_training)
+
+    return LCMScheduler(
+        **_training_keys(train_scheduler_config),
+        original_inference_steps=num_ddim_timesteps,
+        timestep_scaling=timestep_scaling,
+        clip_sample=False,
+        steps_offset=1,  # unused by LCM's timesteps; StableDiffusionPipeline rewrites any other value (with a warning)
+    )
+
+
+def sampling_scheduler(
+    train_scheduler_config: dict, objective: str = "diffusion", flow_shift: float = 1.0, distill: dict | None = None
+):
     """The sampler's scheduler for a checkpoint trained with ``objective``: :func:`ddim_from_training` for
-    diffusion, :func:`flow_euler_scheduler` (same ``num_train_timesteps``) for flow matching."""
+    diffusion (:func:`lcm_scheduler` when ``distill``, the phase's ``Distill`` options as a dict, is given),
+    :func:`flow_euler_scheduler` (same ``num_train_timesteps``) for flow matching, distilled or not (see the
+    module docstring)."""
+    if objective == "diffusion" and distill:
+        return lcm_scheduler(train_scheduler_config, distill["num_ddim_timesteps"], distill["timestep_scaling"])
     if objective == "diffusion":
         return ddim_from_training(train_scheduler_config)
     if objective == "flow_matching":
@@ -96,7 +141,7 @@ def sample_latents(
     unet: UNet2DConditionModel,
     scheduler: SchedulerMixin,
     cond: torch.Tensor,
-    uncond: torch.Tensor,
+    uncond: torch.Tensor | None,
     *,
     steps: int,
     guidance_scale: float,
@@ -106,9 +151,11 @@ def sample_latents(
     """Sampling with CFG, ``out = out_u + s·(out_c − out_u)`` on the UNet's output (ε, v or flow velocity), with
     ``scheduler``'s steps (:func:`sampling_scheduler`); returns latents ``[B, C, h, w]``.
 
-    ``uncond`` is the negative-prompt embedding (``[1|B, L, D]``). Sample ``i``'s initial noise
-    comes from ``generators[i]`` on the CPU, so an image depends only on its own seed — not on
-    the device or on which other prompts share its batch.
+    ``uncond`` is the negative-prompt embedding (``[1|B, L, D]``). With ``guidance_scale <= 1`` there is no CFG:
+    one UNet call per step on ``cond`` alone, ``uncond`` unused (may be None) — as in ``StableDiffusionPipeline``.
+    Sample ``i``'s initial noise, and any noise the scheduler draws between steps (LCM), comes from
+    ``generators[i]`` on the CPU, so an image depends only on its own seed — not on the device or on which other
+    prompts share its batch.
     """
     device = next(unet.parameters()).device
     batch = cond.shape[0]
@@ -116,15 +163,28 @@ def sample_latents(
         raise ValueError(f"need one generator per prompt: {batch} prompts, {len(generators)} generators")
     latents = torch.stack([torch.randn(latent_shape, generator=g, dtype=torch.float32) for g in generators])
     latents = (latents * scheduler.init_noise_sigma).to(device)
-    uncond = uncond.expand(batch, -1, -1) if uncond.shape[0] == 1 else uncond
-    context = torch.cat([uncond, cond]).to(device=device, dtype=unet.dtype)
+    cfg = guidance_scale > 1
+    context = _context(cond, uncond if cfg else None).to(device=device, dtype=unet.dtype)
+    # per-row draws on each CPU generator, as the pipeline's randn_tensor makes them (prepare_extra_step_kwargs)
+    extra = {"generator": generators} if "generator" in inspect.signature(scheduler.step).parameters else {}
     scheduler.set_timesteps(steps, device=device)
     for t in scheduler.timesteps:
-        model_in = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-        eps_u, eps_c = unet(model_in.to(unet.dtype), t, encoder_hidden_states=context).sample.float().chunk(2)
-        eps = eps_u + guidance_scale * (eps_c - eps_u)
-        latents = scheduler.step(eps, t, latents).prev_sample
+        model_in = scheduler.scale_model_input(torch.cat([latents, latents]) if cfg else latents, t)
+        out = unet(model_in.to(unet.dtype), t, encoder_hidden_states=context).sample.float()
+        if cfg:
+            out_u, out_c = out.chunk(2)
+            out = out_u + guidance_scale * (out_c - out_u)
+        latents = scheduler.step(out, t, latents, **extra).prev_sample
     return latents
+
+
+def _context(cond: torch.Tensor, uncond: torch.Tensor | None) -> torch.Tensor:
+    """The UNet's text states: ``[uncond; cond]`` for CFG (``uncond`` ``[1|B, L, D]`` expanded to ``B``), else
+    ``cond``."""
+    if uncond is None:
+        return cond
+    uncond = uncond.expand(cond.shape[0], -1, -1) if uncond.shape[0] == 1 else uncond
+    return torch.cat([uncond, cond])
 
 
 @torch.no_grad()

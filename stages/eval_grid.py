@@ -30,6 +30,7 @@ from sdforge.eval.grid import (
     probe_truth,
     sample_categories,
     sample_extra_sizes,
+    sampling_figures,
     size_name,
 )
 from sdforge.eval.metrics import image_metrics
@@ -80,6 +81,7 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
             "categories": len(cfg.prompts),
             "image_size": int(images[0].shape[0]),
             "checkpoint_hash": pipe.checkpoint_hash,
+            **sampling_figures(pipe, cfg),
         }
     )
     fid = cfg.fid

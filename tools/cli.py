@@ -18,7 +18,7 @@ from model.sampler import latent_shape_for
 from sdforge.config import ConfigError, load_params
 from sdforge.eval.coco import run_protocol
 from sdforge.eval.export import export_pipeline, register
-from sdforge.eval.sampling import generate, load_pipeline
+from sdforge.eval.sampling import few_step_settings, generate, load_pipeline, max_steps
 from sdforge.io import InputError, setup_logging, write_json
 from sdforge.tracking import flush_spool
 from sdforge.training.run_dir import STALE_NOTE, remove_stale, stale_runs
@@ -37,16 +37,22 @@ def _generate(args: argparse.Namespace) -> int:
     if args.category is not None and args.category not in params.eval.prompts:
         log.error("--category %s: not an eval category %s", args.category, list(params.eval.prompts))
         return 2
-    default_steps, default_guidance = (
-        params.eval.settings(args.category) if args.category else (params.eval.steps, params.eval.guidance_scale)
+    pipe = load_pipeline(
+        Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device, fuse_adapter=args.fuse_lora
     )
+    default_steps, default_guidance = _sampling_defaults(args, params, pipe)
     steps = args.steps or default_steps
     guidance = args.guidance if args.guidance is not None else default_guidance
-    pipe = load_pipeline(Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device)
     try:
         latent_shape_for(pipe.unet, pipe.vae, width=args.width, height=args.height)
     except ValueError as err:
         log.error("--width/--height: %s", err)
+        return 2
+    limit = max_steps(pipe)
+    if limit is not None and steps > limit:
+        log.error(
+            "--steps %d: this distilled phase samples at most %d steps (distill.num_ddim_timesteps)", steps, limit
+        )
         return 2
     prompts = [p for p in args.prompt for _ in range(args.num_images)]
     seeds = [args.seed + i for i in range(len(prompts))]
@@ -83,6 +89,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_defaults(args: argparse.Namespace, params, pipe) -> tuple[int, float]:
+    """Steps and guidance when ``--steps`` / ``--guidance`` are not given: a distilled phase's few-step settings
+    (``distill.sampling_steps``, 1.0), else ``--category``'s, else ``eval.steps`` / ``eval.guidance_scale``."""
+    few = few_step_settings(pipe)
+    if few is not None:
+        return few
+    return params.eval.settings(args.category) if args.category else (params.eval.steps, params.eval.guidance_scale)
+
+
 def _checkpoint(args: argparse.Namespace, params) -> Path:
     """``--checkpoint``, or the last phase's checkpoint folder."""
     return Path(args.checkpoint or Path(params.paths.checkpoints) / params.phase_names()[-1])
@@ -90,7 +105,9 @@ def _checkpoint(args: argparse.Namespace, params) -> Path:
 
 def _export(args: argparse.Namespace) -> int:
     params = load_params(args.params)
-    metrics = export_pipeline(Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live)
+    metrics = export_pipeline(
+        Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live, keep_lora=args.lora_file
+    )
     if args.mlflow_register:
         metrics.update(register(Path(args.out), args.mlflow_register, params.tracking, metrics))
     write_json(Path(args.out) / "sdforge_export.json", metrics)
@@ -160,30 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``sdforge`` argument parser."""
     parser = argparse.ArgumentParser(prog="sdforge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="sample images from a phase checkpoint (EMA weights by default)")
-    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
-    gen.add_argument("--negative", default="", help="negative prompt (default: empty)")
-    gen.add_argument("--steps", type=int, default=None, help="DDIM steps (default: eval.steps)")
-    gen.add_argument("--guidance", type=float, default=None, help="CFG scale (default: eval.guidance_scale)")
-    gen.add_argument("--category", default=None, help="take steps/guidance defaults from this eval category")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
-    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    gen.add_argument("--batch-size", type=int, default=8)
-    gen.add_argument("--width", type=int, default=None, help="image width in px (default: the model's size)")
-    gen.add_argument("--height", type=int, default=None, help="image height in px (a multiple of 64 for SD)")
-    gen.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
-    gen.add_argument("--live", action="store_true", help="use live instead of EMA weights")
-    gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
-    gen.add_argument("--out", default="generated", help="output directory")
-    gen.add_argument("--params", default="params.yaml")
-    gen.set_defaults(func=_generate)
-    exp = sub.add_parser("export", help="write a diffusers StableDiffusionPipeline folder (EMA weights by default)")
-    exp.add_argument("--out", required=True, help="output folder (replaced)")
-    exp.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
-    exp.add_argument("--live", action="store_true", help="export live instead of EMA weights")
-    exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
-    exp.add_argument("--params", default="params.yaml")
-    exp.set_defaults(func=_export)
+    _add_generate(sub)
+    _add_export(sub)
     ev = sub.add_parser("evaluate", help="FID and CLIP score of a phase on a standard protocol (COCO-2014 val)")
     ev.add_argument("--protocol", choices=["coco"], default="coco", help="coco: COCO-2014 val captions (docs/EVAL.md)")
     ev.add_argument("--phase", default=None, help="the phase whose checkpoint is evaluated (default: the last)")
@@ -214,6 +209,55 @@ def build_parser() -> argparse.ArgumentParser:
     add_preflight_arguments(pre)
     pre.set_defaults(func=preflight)
     return parser
+
+
+def _add_generate(sub) -> None:
+    """``sdforge generate``'s arguments."""
+    gen = sub.add_parser("generate", help="sample images from a phase checkpoint (EMA weights by default)")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeat for several)")
+    gen.add_argument("--negative", default="", help="negative prompt (default: empty)")
+    gen.add_argument(
+        "--steps", type=int, default=None, help="sampler steps (default: eval.steps; a distilled phase: its few steps)"
+    )
+    gen.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="CFG scale, 1: none (default: eval.guidance_scale; distilled phase: 1)",
+    )
+    gen.add_argument("--category", default=None, help="take steps/guidance defaults from this eval category")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
+    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    gen.add_argument("--batch-size", type=int, default=8)
+    gen.add_argument("--width", type=int, default=None, help="image width in px (default: the model's size)")
+    gen.add_argument("--height", type=int, default=None, help="image height in px (a multiple of 64 for SD)")
+    gen.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
+    gen.add_argument("--live", action="store_true", help="use live instead of EMA weights")
+    gen.add_argument(
+        "--fuse-lora",
+        action="store_true",
+        help="fuse an unmerged adapter into the UNet: sample the fused form that `sdforge export` writes by default",
+    )
+    gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
+    gen.add_argument("--out", default="generated", help="output directory")
+    gen.add_argument("--params", default="params.yaml")
+    gen.set_defaults(func=_generate)
+
+
+def _add_export(sub) -> None:
+    """``sdforge export``'s arguments."""
+    exp = sub.add_parser("export", help="write a diffusers StableDiffusionPipeline folder (EMA weights by default)")
+    exp.add_argument("--out", required=True, help="output folder (replaced)")
+    exp.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
+    exp.add_argument("--live", action="store_true", help="export live instead of EMA weights")
+    exp.add_argument(
+        "--lora-file",
+        action="store_true",
+        help="keep an unmerged adapter as pytorch_lora_weights.safetensors beside the base UNet instead of fusing it",
+    )
+    exp.add_argument("--mlflow-register", default=None, metavar="NAME", help="register as a version of model NAME")
+    exp.add_argument("--params", default="params.yaml")
+    exp.set_defaults(func=_export)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,6 +50,41 @@ class Adapter(Section):
         return words
 
 
+class Distill(Section):
+    """``phases.<p>.distill``: latent consistency distillation (LCM-LoRA, Luo et al. 2023) of the phase's init
+    weights into its adapter, so that ``sampling_steps`` sampler steps draw what the teacher draws in many.
+
+    The teacher is the ``init_from`` weights, frozen (the UNet with its adapter switched off); the student is the
+    same UNet with the adapter on. Each sample's target is the student's consistency value (stop-gradient) at the
+    point the teacher's DDIM step reaches from the sample's noisy latents, one grid step of
+    ``num_ddim_timesteps`` lower, with the classifier-free guidance ``w`` drawn per sample (docs/ADAPTERS.md
+    "Distillation")."""
+
+    method: Literal["lcm"] = "lcm"
+    num_ddim_timesteps: int = Field(50, ge=2)
+    """Points of the teacher's solver grid (the LCM paper's skip: ``num_train_timesteps / num_ddim_timesteps``)."""
+    w_min: float = Field(3.0, ge=1)
+    w_max: float = Field(15.0, ge=1)
+    """The teacher's guidance scale, drawn uniformly in ``[w_min, w_max]`` per sample, in this project's (and
+    diffusers' pipeline) convention ``out = uncond + w·(cond − uncond)``: the paper's ω ∈ [2, 14] is w ∈ [3, 15]."""
+    loss: Literal["l2", "huber"] = "huber"
+    huber_c: float = Field(0.001, gt=0)
+    """Pseudo-Huber ``sqrt(d² + c²) − c`` per element (``loss: huber``; LCM-LoRA's 0.001)."""
+    timestep_scaling: float = Field(10.0, gt=0)
+    """LCM's boundary-condition scalings ``c_skip``/``c_out`` at ``timestep × timestep_scaling`` (diffusion phases;
+    diffusers' ``LCMScheduler`` uses the same value at sampling). A flow-matching student's consistency value is
+    ``x − σ·v``, which meets the boundary by construction."""
+    sampling_steps: int = Field(4, ge=1)
+    """Steps the eval grid samples the distilled phase with, and ``sdforge generate``'s default for it
+    (guidance 1: the guidance is in the teacher's solve)."""
+
+    @model_validator(mode="after")
+    def _w_range(self) -> Distill:
+        if self.w_max < self.w_min:
+            raise ValueError(f"w_max ({self.w_max}) must be >= w_min ({self.w_min})")
+        return self
+
+
 class CaptionMix(Section):
     """``phases.<p>.caption_mix``: the share of samples that train with their original and with their synthetic
     caption (``caption_images``), chosen per (seed, sample, epoch) (:mod:`sdforge.captions.mix`)."""
@@ -121,6 +156,9 @@ class Phase(Section):
     a multiplier, usually 1.0)."""
     adapter: Adapter | None = None
     """Train a LoRA/DoRA on the init weights instead of the whole UNet (null: a full fine-tune)."""
+    distill: Distill | None = None
+    """Train the adapter by latent consistency distillation of the init weights (a few-step sampler) instead of the
+    denoising objective; needs ``adapter`` (the student is the init UNet plus it). null: an ordinary phase."""
     caption_mix: CaptionMix | None = None
     """null: original captions only. A sample without a synthetic caption (its source not recaptioned, or its
     caption rejected) trains with its original one whatever the draw."""
@@ -156,6 +194,27 @@ class Phase(Section):
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"mix fractions must sum to 1; they sum to {total:.6g}: {mix}")
         return mix
+
+    @model_validator(mode="after")
+    def _distill_options(self) -> Phase:
+        if self.distill is None:
+            return self
+        if self.adapter is None:
+            raise ValueError("distill needs an adapter: the student is the init UNet plus a LoRA (adapter: {...})")
+        if self.init_from == SCRATCH and self.init_path is None:
+            raise ValueError("distill needs a teacher: set init_from to a trained phase")
+        unused = {
+            "cfg_dropout": self.cfg_dropout, "min_snr_gamma": self.min_snr_gamma, "noise_offset": self.noise_offset,
+            "input_perturbation": self.input_perturbation,
+        }  # fmt: skip
+        set_keys = sorted(k for k, v in unused.items() if v)
+        if set_keys or self.timestep_sampling != "uniform" or self.adapter.words:
+            raise ValueError(
+                f"a distill phase draws its own timesteps and guidance: set {', '.join(set_keys) or '-'} to 0/null, "
+                f"timestep_sampling to uniform (is {self.timestep_sampling}) and adapter.words to [] "
+                "(docs/ADAPTERS.md \"Distillation\")"
+            )
+        return self
 
     @model_validator(mode="after")
     def _counts_match_samples(self) -> Phase:

@@ -5,8 +5,8 @@
   of them, each with one of its captions drawn with a generator seeded by (seed, image id). So the first 5,000 of
   FID-30k are FID-5k's, in every phase and on every machine.
 * **Images**: prompt ``i`` sampled with seed ``eval.coco.seed + i`` by the checkpoint's own sampler at
-  ``eval.coco.steps`` / ``guidance_scale`` (default ``eval.steps`` / ``guidance_scale``), negative prompt
-  ``eval.negative_prompt``, at the model's native size.
+  ``eval.coco.steps`` / ``guidance_scale`` (default ``eval.steps`` / ``guidance_scale``; a distilled phase: its
+  ``distill.sampling_steps`` and guidance 1), negative prompt ``eval.negative_prompt``, at the model's native size.
 * **FID** against the same images from ``eval.coco.images`` (``val2014/``), each centre-cropped to a square and
   resized with PIL bicubic to ``eval.coco.reference_size`` (default: the generated side); both sets go to the
   NVlabs Inception as 0..255 floats, which resizes them to 299² (bilinear) itself. A reference image that is
@@ -35,7 +35,7 @@ from sdforge.bounds.paths import resolves_inside
 from sdforge.config import Eval, InputLimits, Params
 from sdforge.eval.grid import captioned_grid
 from sdforge.eval.metrics import ClipScorer, frechet_distance, inception_features
-from sdforge.eval.sampling import Pipeline, generate, load_pipeline, pick_device
+from sdforge.eval.sampling import Pipeline, few_step_settings, generate, load_pipeline, pick_device
 from sdforge.io import InputError
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ def evaluate(pipe: Pipeline, cfg: Eval, prompts: list[CocoPrompt], scorers: Scor
     """Sample ``prompts``, score them, write ``out_dir/coco.json`` (protocol + figures) and ``coco_preview.png``;
     the ``coco_*`` metrics."""
     coco = cfg.coco
-    steps, guidance = coco.steps or cfg.steps, coco.guidance_scale or cfg.guidance_scale
+    # a distilled phase samples with its few steps and guidance 1, whatever eval/eval.coco say
+    steps, guidance = few_step_settings(pipe) or (coco.steps or cfg.steps, coco.guidance_scale or cfg.guidance_scale)
     start = time.perf_counter()
     features, clip, preview, side = [], [], [], 0
     for first in range(0, len(prompts), cfg.batch_size):

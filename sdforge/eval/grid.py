@@ -2,6 +2,9 @@
 non-square sizes), caption the images in a grid, probe the demo's shapes.
 
 Used by the ``eval_grid`` stage and by training's validation images (:mod:`sdforge.training.validation`).
+A consistency-distilled phase (state.json ``distill``) samples every category with its ``distill.sampling_steps``
+and guidance 1 (:func:`category_settings`): ``eval.steps`` / ``guidance_scale`` / ``sampling`` are for
+many-step samplers with CFG.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from PIL import Image, ImageDraw
 from model.sampler import pixel_multiple
 from sdforge.config import DemoData, Eval
 from sdforge.demo.shapes import Size, as_wh, parse_caption, probe, render_spec
-from sdforge.eval.sampling import generate
+from sdforge.eval.sampling import few_step_settings, generate
 from sdforge.io import InputError
 
 CELL = 128
@@ -143,8 +146,27 @@ def probe_truth(prompts: list[str], demo: DemoData, size: Size, seed: int = 0) -
     }
 
 
+def category_settings(pipe, cfg: Eval, category: str) -> tuple[int, float]:
+    """``(steps, guidance_scale)`` ``pipe``'s phase samples ``category`` with: the distilled phase's few-step
+    settings (:func:`~sdforge.eval.sampling.few_step_settings`) for every category, else ``eval.settings``."""
+    return few_step_settings(pipe) or cfg.settings(category)
+
+
+def sampling_figures(pipe, cfg: Eval) -> dict:
+    """What sampling the eval prompts cost: ``unet_calls_per_image`` (steps × 2 with CFG, × 1 without; the mean
+    over the prompts), and ``sampling_steps`` / ``guidance_scale`` where one setting covers every category
+    (always for a distilled phase)."""
+    settings = [category_settings(pipe, cfg, category) for category, texts in cfg.prompts.items() for _ in texts]
+    calls = [steps * (2 if guidance > 1 else 1) for steps, guidance in settings]
+    figures: dict = {"unet_calls_per_image": round(sum(calls) / len(calls), 2)}
+    if len(set(settings)) == 1:
+        figures.update(sampling_steps=settings[0][0], guidance_scale=settings[0][1])
+    return figures
+
+
 def sample_categories(pipe, cfg: Eval) -> list[tuple[str, str, np.ndarray]]:
-    """``(category, prompt, image)`` for every eval prompt, each category with its own steps/guidance."""
+    """``(category, prompt, image)`` for every eval prompt, each category with its own steps/guidance
+    (:func:`category_settings`)."""
     out = []
     for category, prompts in cfg.prompts.items():
         images = _sample_category(pipe, cfg, category, prompts)
@@ -155,7 +177,7 @@ def sample_categories(pipe, cfg: Eval) -> list[tuple[str, str, np.ndarray]]:
 def _sample_category(pipe, cfg: Eval, category: str, prompts: list[str], size: Size | None = None) -> list[np.ndarray]:
     """``prompts`` with ``category``'s steps and guidance, prompt ``i`` with seed ``eval.seed + i``, at ``size``
     (default: the UNet's sample size)."""
-    steps, guidance = cfg.settings(category)
+    steps, guidance = category_settings(pipe, cfg, category)
     width, height = (None, None) if size is None else (int(size[0]), int(size[1]))
     return generate(
         pipe,

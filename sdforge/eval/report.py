@@ -41,6 +41,8 @@ COLUMNS = (
     ("val loss", "train", "final_val_loss", "{:.4f}"),
     ("train s", "train", "seconds", "{:,.0f}"),
     ("samples/s", "train", "samples_per_s", "{:,.1f}"),
+    ("sampler steps", "eval_grid", "sampling_steps", "{:,.0f}"),
+    ("UNet calls/img", "eval_grid", "unet_calls_per_image", "{:,.1f}"),
     ("colour seen", "eval_grid", "colour_agreement_seen", "{:.0%}"),
     ("shape seen", "eval_grid", "shape_agreement_seen", "{:.0%}"),
     ("colour held-out", "eval_grid", "colour_agreement_held_out", "{:.0%}"),
@@ -148,8 +150,9 @@ def moving_average(values: list[float], window: int | None = None) -> list[float
 
 
 def category_strip(category: str, phases: list[PhaseResults]) -> Image.Image | None:
-    """The phases' strips of one category stacked top to bottom, each labelled with its phase."""
-    rows = [(p.name, Image.open(p.strips[category]).convert("RGB")) for p in phases if category in p.strips]
+    """The phases' strips of one category stacked top to bottom, each labelled with its phase (and its sampler's
+    steps where the eval grid used one setting: a distilled phase's 4-step row under its teacher's)."""
+    rows = [(strip_label(p), Image.open(p.strips[category]).convert("RGB")) for p in phases if category in p.strips]
     if not rows:
         return None
     width = LABEL_W + max(img.width for _, img in rows)
@@ -161,6 +164,12 @@ def category_strip(category: str, phases: list[PhaseResults]) -> Image.Image | N
         draw.line([(0, y), (width, y)], fill=(200, 200, 200))
         y += img.height
     return out
+
+
+def strip_label(phase: PhaseResults) -> str:
+    """``phase7`` or, with the eval grid's ``sampling_steps``, ``phase9`` / ``4 steps`` on two lines."""
+    steps = phase.value("eval_grid", "sampling_steps")
+    return phase.name if steps is None else f"{phase.name}\n{steps:.0f} steps"
 
 
 def png_bytes(image) -> bytes:

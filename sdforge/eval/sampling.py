@@ -43,6 +43,24 @@ class Pipeline:
     objective: str = "diffusion"
     """How the checkpoint was trained (``diffusion`` or ``flow_matching``): picks the sampler's scheduler."""
     flow_shift: float = 1.0
+    distill: dict | None = None
+    """A consistency-distilled phase's ``Distill`` options (state.json ``distill``): LCM / few-step sampling."""
+
+
+def few_step_settings(pipe: Pipeline) -> tuple[int, float] | None:
+    """``(steps, guidance_scale)`` a distilled phase samples with by default — its ``distill.sampling_steps`` and
+    1.0 (the guidance is in the teacher's solve) — or None for an ordinary phase."""
+    if not pipe.distill:
+        return None
+    return int(pipe.distill["sampling_steps"]), 1.0
+
+
+def max_steps(pipe: Pipeline) -> int | None:
+    """The most steps ``pipe`` samples with: a distilled diffusion phase's LCM steps are a subset of its solver
+    grid (``distill.num_ddim_timesteps``; diffusers refuses more); None: no limit."""
+    if pipe.distill and pipe.objective == "diffusion":
+        return int(pipe.distill["num_ddim_timesteps"])
+    return None
 
 
 def checkpoint_hash(*weights_dirs: Path) -> str:
@@ -56,8 +74,8 @@ def checkpoint_hash(*weights_dirs: Path) -> str:
 
 
 def checkpoint_state(checkpoint_dir: Path) -> dict:
-    """The phase checkpoint's ``state.json`` (objective, flow shift, adapter); ``{}`` when absent (scratch, older
-    checkpoints: diffusion, no adapter)."""
+    """The phase checkpoint's ``state.json`` (objective, flow shift, adapter, distill); ``{}`` when absent
+    (scratch, older checkpoints: diffusion, no adapter)."""
     path = checkpoint_dir / "state.json"
     if not path.is_file():
         return {}
@@ -78,8 +96,14 @@ def unmerged_adapter(checkpoint_dir: Path, use_ema: bool) -> Path | None:
     return folder
 
 
-def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto") -> Pipeline:
+def load_pipeline(
+    models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto", fuse_adapter: bool = False
+) -> Pipeline:
     """UNet from ``checkpoint_dir/unet_ema`` (or ``unet``), frozen VAE/text encoder/tokenizer from ``models_dir``.
+
+    An unmerged adapter (``adapter.merge: false``) is applied unfused, as ``load_lora_weights`` applies it; with
+    ``fuse_adapter`` it is fused into the UNet's weights and its LoRA layers dropped — the form ``sdforge export``
+    writes by default (fused weights round differently: up to a pixel level apart).
 
     Weights are read from safetensors only (a pickled ``.bin`` is refused, never unpickled); a folder that
     does not load is an :class:`InputError` of one line naming it and what to do.
@@ -102,6 +126,8 @@ def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, 
     adapter = unmerged_adapter(checkpoint_dir, use_ema)
     if adapter is not None:
         load_lora(unet, adapter)
+        if fuse_adapter:
+            fuse_lora(unet)
     text_encoder = _load(CLIPTextModel, models_dir / "text_encoder", reprepare)
     tokenizer = _load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False)
     words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
@@ -116,6 +142,7 @@ def load_pipeline(models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, 
         checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, words) if p is not None and p.exists())),
         objective=state.get("objective", "diffusion"),
         flow_shift=float(state.get("flow_shift", 1.0)),
+        distill=state.get("distill"),
     )
 
 
@@ -141,6 +168,12 @@ def load_lora(unet, folder: Path) -> None:
     except Exception as err:  # noqa: BLE001 - a file that does not apply is the folder's fault: one line
         failure = load_failure(err, with_type=True)
         raise InputError(f"{folder}: the LoRA does not apply to this UNet ({failure})") from None
+
+
+def fuse_lora(unet) -> None:
+    """Fuse the LoRA applied to ``unet`` into its weights and drop the LoRA layers (a plain UNet again)."""
+    unet.fuse_lora()
+    unet.unload_lora()
 
 
 def _load(cls, folder: Path, remedy: str, weights: bool = True):
@@ -169,11 +202,14 @@ def generate(
     height: int | None = None,
 ) -> list[np.ndarray]:
     """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``. ``width``
-    and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64)."""
+    and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64).
+    ``guidance_scale <= 1``: no CFG, the negative prompt unused (as in ``StableDiffusionPipeline``)."""
     device = next(pipe.unet.parameters()).device
-    scheduler = sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift)
+    scheduler = sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift, pipe.distill)
     shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
-    uncond = encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device)
+    uncond = (
+        encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device) if guidance_scale > 1 else None
+    )
     images: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]

@@ -79,7 +79,8 @@ def default_hooks(job, run_dir: Path, notice: PreemptionNotice, manager, extra: 
     """The hooks of every run, in protocol order (:mod:`sdforge.training.hooks`), with ``extra`` after the
     reports."""
     cfg, main = job.cfg, job.dist.is_main
-    val_loss = ValLossHook(job.params, job.phase_name) if cfg.held_out else None
+    # a distill phase's student outputs a consistency value, not the denoising target: no validation loss there
+    val_loss = ValLossHook(job.params, job.phase_name) if cfg.held_out and job.phase.distill is None else None
     return [
         LedgerHook(),
         PreemptionHook(notice, manager, cfg.preempt_grace_s, run_dir),

@@ -84,6 +84,8 @@ def export_phase(job, out_dir: Path, final_loss: float | None) -> None:
         "flow_shift": job.phase.flow_shift,
         **job.model.describe(),
     }
+    if job.phase.distill is not None:  # the samplers read it: few steps, guidance 1 (sdforge.eval.sampling)
+        state["distill"] = job.phase.distill.model_dump()
     write_json(out_dir / "state.json", state)
 
 

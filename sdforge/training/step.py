@@ -19,6 +19,7 @@ from model.precision import uses_bf16_autocast
 from model.speed import attention_context
 from sdforge.config import Phase
 from sdforge.latents.loader import iter_batches
+from sdforge.training.distillation import distill_loss
 from sdforge.training.distributed import part_generators, step_seeds
 
 
@@ -124,8 +125,11 @@ def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch
     bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
     with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            per_sample = phase_loss(job.phase, job.objective, job.model.forward_module, job.conditioning.scheduler,
-                                    to_device(latents, dev), cond, gens)  # fmt: skip
+            if job.phase.distill is not None:  # the teacher's target instead of the denoising one
+                per_sample = distill_loss(job, to_device(latents, dev), cond, gens)
+            else:
+                per_sample = phase_loss(job.phase, job.objective, job.model.forward_module,
+                                        job.conditioning.scheduler, to_device(latents, dev), cond, gens)  # fmt: skip
             loss = per_sample.mean()
         (loss * scale).backward()
     return per_sample.detach().float()

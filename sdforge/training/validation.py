@@ -28,6 +28,9 @@ class Validator:
         self.every = params.train.validation_every
         self.prompts = ev.all_prompts[: params.train.validation_prompts]
         self.steps, self.guidance, self.seed, self.negative = ev.steps, ev.guidance_scale, ev.seed, ev.negative_prompt
+        self.distill = job.phase.distill.model_dump() if job.phase.distill is not None else None
+        if self.distill is not None:  # a distill phase samples as its eval grid will: few steps, no CFG
+            self.steps, self.guidance = self.distill["sampling_steps"], 1.0
         self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(job.dist.device).eval()
 
     def due(self, step: int) -> bool:
@@ -46,6 +49,7 @@ class Validator:
             checkpoint_hash="",
             objective=job.objective,
             flow_shift=job.phase.flow_shift,
+            distill=self.distill,
         )
         job.optim.settle()  # a background checkpoint may still be copying the live weights
         ema.store(trainable)

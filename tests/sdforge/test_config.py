@@ -24,16 +24,18 @@ def _broken(demo_dict, mutate):
     return str(err.value)
 
 
-def test_demo_params_load_with_phase0_seven_phases_and_the_adapter_phase():
+def test_demo_params_load_with_phase0_seven_phases_the_adapter_and_the_distilled_phase():
     p = load_params("params.yaml")
-    assert p.phase_names() == [f"phase{i}" for i in range(0, 9)]
+    assert p.phase_names() == [f"phase{i}" for i in range(0, 10)]
     assert set(p.sources) == {"laion", "diffusiondb", "concept"}
     assert p.phases["phase0"].init_from == "scratch" and p.phases["phase1"].init_from == "phase0"
     assert p.phases["phase7"].init_from == "phase6" and p.phases["phase8"].init_from == "phase7"
-    assert [p.phases[n].adapter is not None for n in p.phases] == [False] * 8 + [True]
+    assert p.phases["phase9"].init_from == "phase7" and p.phases["phase9"].distill.sampling_steps == 4
+    assert [p.phases[n].adapter is not None for n in p.phases] == [False] * 8 + [True, True]
+    assert [p.phases[n].distill is not None for n in p.phases] == [False] * 9 + [True]
     assert {p.phase_objective(n) for n in p.phases} == {"flow_matching"}  # train.objective (issue 40)
     assert {p.phases[n].min_snr_gamma for n in p.phases} == {None}
-    assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 8
+    assert [p.phase_resolution(n) for n in p.phases] == ["px24"] + ["px32"] * 9
     assert {k: shapes_of(v) for k, v in p.bucket_sets().items()} == {
         "px24": [(20, 28), (24, 24), (28, 20), (32, 16)],
         "px32": [(24, 40), (32, 32), (40, 24)],
@@ -225,3 +227,18 @@ def test_an_output_size_over_the_pixel_limit_is_a_config_error():
     assert FetchSettings(image_size=64, max_image_pixels=64 * 64).image_size == 64
     with pytest.raises(ValueError, match=r"image_size 64 makes 4096 output pixels, more than max_image_pixels 4095"):
         FetchSettings(image_size=64, max_image_pixels=4095)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda ph: ph.pop("adapter"), "distill needs an adapter"),
+        (lambda ph: ph.update(cfg_dropout=0.1), "cfg_dropout"),
+        (lambda ph: ph.update(timestep_sampling="logit_normal"), "timestep_sampling"),
+        (lambda ph: ph["distill"].update(w_min=5.0, w_max=4.0), "w_max"),
+        (lambda ph: ph["distill"].update(loss="l1"), "loss"),
+    ],
+)
+def test_a_distill_phase_refuses_what_it_cannot_use(demo_dict, change, named):
+    message = _broken(demo_dict, lambda d: change(d["phases"]["phase9"]))
+    assert "phases.phase9" in message and named in message

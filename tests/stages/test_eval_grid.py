@@ -12,13 +12,13 @@ import yaml
 from PIL import Image
 from pydantic import ValidationError
 
-from sdforge.config import Eval, load_params
+from sdforge.config import Distill, Eval, load_params
 from sdforge.eval import grid
-from sdforge.eval.sampling import generate, load_pipeline
+from sdforge.eval.sampling import Pipeline, generate, load_pipeline
 from sdforge.io import InputError
 from sdforge.tracking import flush_spool
 from stages import eval_grid
-from tests.fixtures.eval_workspace import REPO, make_workspace, write_params
+from tests.fixtures.eval_workspace import REPO, make_workspace, write_distilled_phase, write_params
 
 SHAPES = ["a red circle on a white background", "a blue square on a black background"]
 CATS = ["a cat photo"]
@@ -73,6 +73,7 @@ def test_grid_samples_ema_weights_with_each_categorys_settings(workspace, grid_r
     assert np.abs(want_shape.astype(int) - live_shape).mean() > 5  # EMA ≠ live, and the grid shows EMA
     assert metrics["images"] == 3 and metrics["categories"] == 2 and metrics["image_size"] == 16
     assert metrics["checkpoint_hash"] == ema.checkpoint_hash != live.checkpoint_hash
+    assert metrics["unet_calls_per_image"] == 5.33 and "sampling_steps" not in metrics  # per-category settings
 
 
 def test_grid_and_one_strip_per_category(grid_run):
@@ -101,6 +102,28 @@ def test_categories_config():
         Eval(prompts={"cats": ["x"]}, sampling={"dogs": {"steps": 2}})
     with pytest.raises(ValueError, match="categories without prompts: \\['cats'\\]"):
         Eval(prompts={"cats": []})
+
+
+def test_a_distilled_phase_samples_every_category_with_its_few_steps_and_no_cfg():
+    ordinary = Pipeline(None, None, None, None, {}, "")
+    distilled = Pipeline(None, None, None, None, {}, "", distill=Distill(sampling_steps=4).model_dump())
+    assert [grid.category_settings(distilled, CFG, c) for c in ("shapes", "cats")] == [(4, 1.0), (4, 1.0)]
+    assert [grid.category_settings(ordinary, CFG, c) for c in ("shapes", "cats")] == [(3, 3.0), (2, 5.0)]
+    figures = {"unet_calls_per_image": 4, "sampling_steps": 4, "guidance_scale": 1}
+    assert grid.sampling_figures(distilled, CFG) == figures
+    # ordinary: shapes 3 steps × 2 (CFG) for 2 prompts, cats 2 × 2 for 1; no single setting to name
+    assert grid.sampling_figures(ordinary, CFG) == {"unet_calls_per_image": round((6 + 6 + 4) / 3, 2)}
+
+
+def test_the_eval_grid_of_a_distilled_phase_records_its_sampling(workspace, tmp_path):
+    models, ckpt = workspace
+    write_distilled_phase(ckpt, tmp_path / "lcm")
+    demo = load_params(REPO / "params.yaml").demo
+    metrics = eval_grid.run(CFG, demo, models, tmp_path / "lcm", tmp_path / "eval")
+    assert (metrics["sampling_steps"], metrics["guidance_scale"], metrics["unet_calls_per_image"]) == (4, 1.0, 4)
+    pipe = load_pipeline(models, tmp_path / "lcm", device="cpu")
+    want_cat = generate(pipe, CATS, steps=4, guidance_scale=1.0, seeds=[1234])[0]  # not the cats' 2 steps, CFG 5
+    assert np.array_equal(_png(tmp_path / "eval/images/02.png"), want_cat)
 
 
 def test_guidance_above_9_warns(caplog):

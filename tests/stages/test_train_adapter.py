@@ -19,7 +19,7 @@ from sdforge.config import load_params
 from sdforge.eval.sampling import load_pipeline
 from sdforge.io import InputError
 from sdforge.training.conditioning import word_token_id
-from tests.fixtures.training import clone_workspace, train, weights
+from tests.fixtures.training import clone_workspace, straight_and_killed, train, weights
 
 LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention"], "words": ["a"]}
 WORD_ID = 320  # "a" in the demo tokenizer; the tiny store's random token ids hold it twice
@@ -47,11 +47,7 @@ def adapter_workspace(straight_phase1: Path, root: Path, adapter: dict) -> Path:
 def runs(tmp_path_factory, straight_phase1):
     straight = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("straight"), LORA)
     killed = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("killed"), LORA)
-    done = train(straight, "phase2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    died = train(killed, "phase2", kill_at=KILL_AT)
-    resumed = train(killed, "phase2")
-    return straight.parent, killed.parent, died, resumed
+    return straight_and_killed(straight, killed, "phase2", KILL_AT)
 
 
 def test_sigkill_then_resume_gives_bitwise_equal_adapter_weights(runs):
@@ -86,9 +82,10 @@ def test_only_the_adapter_trained_and_its_share_is_reported(runs):
     assert base.keys() == merged.keys()
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
     assert changed and all(any(a in k for a in ADAPTED) and k.endswith(".weight") for k in changed)
-    # the LoRA file is in diffusers' format, with its config (rank, alpha) in the metadata
+    # the LoRA file is in diffusers' format with peft's key names (sdforge/training/adapter_files.py says why), its
+    # config (rank, alpha) in the metadata
     lora_path = straight / "checkpoints/phase2/adapter_ema" / LORA_FILE
-    assert all(k.startswith("unet.") and (".lora.down." in k or ".lora.up." in k) for k in load_file(lora_path))
+    assert all(k.startswith("unet.") and (".lora_A." in k or ".lora_B." in k) for k in load_file(lora_path))
     with safe_open(lora_path, "pt") as f:
         config = json.loads(f.metadata()["lora_adapter_metadata"])
     assert (config["unet.r"], config["unet.lora_alpha"], config["unet.use_dora"]) == (2, 2, False)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from sdforge.config import load_params
 from sdforge.eval.grid import probe_agreement
-from sdforge.eval.sampling import load_pipeline
+from sdforge.eval.sampling import generate, load_pipeline
 from stages import eval_grid
-from tests.fixtures.eval_workspace import make_workspace, write_params
+from tests.fixtures.eval_workspace import make_workspace, write_distilled_phase, write_params
 from tools import cli
 from tools.cli import main
 
@@ -168,3 +168,39 @@ def test_generate_at_a_non_square_size_and_refuses_a_bad_one(project, capsys, ca
     assert exit_.value.code == 2
     assert "--width/--height: image size 18×16: width and height must be multiples of 4 px" in caplog.text
     assert not (root / "bad").exists()
+
+
+def _run(*argv: str) -> int:
+    """``sdforge <argv>``'s exit status."""
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    return exit_.value.code
+
+
+def test_generate_on_a_distilled_phase_defaults_to_its_few_steps_without_cfg(project, tmp_path, capsys, caplog):
+    root, params, ckpt = project
+    lcm = tmp_path / "lcm"
+    write_distilled_phase(ckpt, lcm)
+    common = ["--checkpoint", str(lcm), "--params", str(params), "--prompt", PROMPT, "--device", "cpu"]
+    assert _run("generate", *common, "--out", str(tmp_path / "default")) == 0
+    assert _run("generate", *common, "--fuse-lora", "--out", str(tmp_path / "fused")) == 0
+    assert _run("generate", *common, "--steps", "2", "--guidance", "2.0", "--out", str(tmp_path / "given")) == 0
+    [default, fused, given] = [Image.open(p) for p in capsys.readouterr().out.split()]
+    assert (default.text["sdforge:steps"], default.text["sdforge:guidance_scale"]) == ("4", "1.0")  # not eval's 3, 3.0
+    assert (given.text["sdforge:steps"], given.text["sdforge:guidance_scale"]) == ("2", "2.0")  # flags win
+    for png, fuse in ((default, False), (fused, True)):
+        want = generate(load_pipeline(root / "models", lcm, fuse_adapter=fuse), [PROMPT], steps=4, guidance_scale=1.0,
+                        seeds=[0])[0]  # fmt: skip
+        assert np.array_equal(np.asarray(png.convert("RGB")), want)
+    with caplog.at_level(logging.ERROR):
+        assert _run("generate", *common, "--steps", "51", "--out", str(tmp_path / "bad")) == 2
+    assert "--steps 51: this distilled phase samples at most 50 steps (distill.num_ddim_timesteps)" in caplog.text
+
+
+def test_export_lora_file_needs_an_unmerged_adapter(project, tmp_path, caplog):
+    root, params, ckpt = project
+    with caplog.at_level(logging.ERROR):
+        code = _run("export", "--checkpoint", str(ckpt), "--params", str(params), "--lora-file", "--out",
+                    str(tmp_path / "sd"))  # fmt: skip
+    assert code == 2 and "no unmerged adapter to keep as a LoRA file" in caplog.text
+    assert not (tmp_path / "sd").exists()

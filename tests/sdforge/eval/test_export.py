@@ -3,6 +3,7 @@ reproduces our sampler's images exactly; registration in the MLflow model regist
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,7 +14,8 @@ from safetensors.torch import load_file
 from sdforge.config import Tracking
 from sdforge.eval.export import MODEL_ARTIFACT, export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
-from tests.fixtures.eval_workspace import make_workspace
+from sdforge.io import InputError
+from tests.fixtures.eval_workspace import make_workspace, write_adapter_phase, write_distilled_phase
 
 PROMPTS = ["a red circle on a white background", "a blue square on a black background"]
 
@@ -106,36 +108,24 @@ def test_a_side_that_is_not_a_multiple_of_the_models_is_refused(exported):
         generate(pipe, PROMPTS[:1], steps=1, guidance_scale=1.0, seeds=[0], width=18, height=16)
 
 
-def _ours_and_theirs(models, ckpt, sd, prompts=PROMPTS, steps=4) -> tuple[np.ndarray, np.ndarray]:
-    """Our sampler on ``ckpt`` and the diffusers pipeline ``sd``, same prompts, seeds, steps and guidance."""
-    ours = np.stack(generate(load_pipeline(models, ckpt, device="cpu"), prompts, negative_prompt="", steps=steps,
-                             guidance_scale=3.0, seeds=[7, 8][: len(prompts)]))  # fmt: skip
+def _ours_and_theirs(
+    models, ckpt, sd, prompts=PROMPTS, steps=4, guidance=3.0, fuse=False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Our sampler on ``ckpt`` (``fuse``: its unmerged adapter fused) and the diffusers pipeline ``sd``, same
+    prompts, seeds (CPU generators, one per image), steps and guidance."""
+    pipe = load_pipeline(models, ckpt, device="cpu", fuse_adapter=fuse)
+    ours = np.stack(generate(pipe, prompts, negative_prompt="", steps=steps, guidance_scale=guidance,
+                             seeds=[7, 8][: len(prompts)]))  # fmt: skip
     sd.set_progress_bar_config(disable=True)
-    theirs = sd(prompts, negative_prompt=[""] * len(prompts), num_inference_steps=steps, guidance_scale=3.0,
-                generator=[torch.Generator().manual_seed(s) for s in (7, 8)[: len(prompts)]], output_type="np").images
+    theirs = sd(
+        prompts,
+        negative_prompt=[""] * len(prompts),
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=[torch.Generator().manual_seed(s) for s in (7, 8)[: len(prompts)]],
+        output_type="np",
+    ).images
     return ours, (theirs * 255).round().astype(np.uint8)
-
-
-def _adapter_phase(base_ckpt, out, kind: str, merge: bool) -> None:
-    """An adapter phase's output folder (``unet*/``, ``adapter*/``, ``state.json``) on ``base_ckpt``'s EMA UNet,
-    written by the train stage's own writers, with a non-zero adapter."""
-    from diffusers import UNet2DConditionModel
-
-    from model.adapters import UNET_GROUPS, add_adapter, lora_config, target_pattern
-    from sdforge.io import write_json
-    from sdforge.training.adapter_files import write_lora_folder, write_plain_unet
-
-    unet = UNet2DConditionModel.from_pretrained(base_ckpt / "unet_ema")
-    pattern = target_pattern(["self_attention", "cross_attention", "time_embedding"], UNET_GROUPS)
-    for name, p in add_adapter(unet, lora_config(kind, 4, 8, 0.0, pattern)):
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, 0.0, 0.3, generator=torch.Generator().manual_seed(3))
-    for unet_dir, adapter_dir in (("unet", "adapter"), ("unet_ema", "adapter_ema")):
-        write_lora_folder(unet, out / adapter_dir)
-        write_plain_unet(unet, out / unet_dir, merge=merge)
-    targets = ["self_attention", "cross_attention", "time_embedding"]
-    adapter = {"type": kind, "rank": 4, "alpha": 8, "dropout": 0.0, "targets": targets, "merge": merge}
-    write_json(out / "state.json", {"phase": "phase2", "objective": "diffusion", "flow_shift": 1.0, "adapter": adapter})
 
 
 @pytest.mark.parametrize(("kind", "merge", "max_diff"), [("lora", True, 1), ("lora", False, 0), ("dora", False, 0)])
@@ -147,7 +137,7 @@ def test_the_adapter_file_on_the_base_pipeline_draws_what_our_sampler_draws(expo
 
     models, ckpt, out, _ = exported
     phase2 = tmp_path / "phase2"
-    _adapter_phase(ckpt, phase2, kind, merge)
+    write_adapter_phase(ckpt, phase2, kind, merge)
     sd = StableDiffusionPipeline.from_pretrained(out)
     sd.load_lora_weights(phase2 / "adapter_ema")
     ours, theirs = _ours_and_theirs(models, phase2, sd)
@@ -214,3 +204,64 @@ def test_a_flow_matching_checkpoint_exports_the_euler_sampler_and_reproduces_our
     ddim = np.stack(generate(load_pipeline(models, ckpt, device="cpu"), PROMPTS, negative_prompt="", steps=4,
                              guidance_scale=3.0, seeds=[7, 8]))  # fmt: skip
     assert np.abs(ours.astype(int) - ddim.astype(int)).max() > 20  # another sampler: other images
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@pytest.mark.parametrize("objective", ["diffusion", "flow_matching"])
+def test_a_distilled_phase_exports_fused_or_as_a_lora_file_and_both_draw_our_pixels(exported, tmp_path, objective):
+    """An LCM-LoRA phase (unmerged adapter, state.json ``distill``), 4 steps, guidance 1: the fused export draws
+    what our sampler draws with the adapter fused, the ``keep_lora`` export + ``load_lora_weights(folder)`` what it
+    draws with the adapter unfused — identical pixels both (measured: max |diff| 0 for both objectives)."""
+    from diffusers import StableDiffusionPipeline
+
+    models, ckpt, _, _ = exported
+    phase = tmp_path / "lcm"
+    distill = write_distilled_phase(ckpt, phase, objective)
+    metrics = export_pipeline(models, phase, tmp_path / "fused")
+    assert (metrics["adapter"], metrics["sampling_steps"], metrics["guidance_scale"]) == ("fused", 4, 1.0)
+    fused = StableDiffusionPipeline.from_pretrained(tmp_path / "fused")
+    assert not getattr(fused.unet, "peft_config", None)
+    ours_fused, theirs = _ours_and_theirs(models, phase, fused, guidance=1.0, fuse=True)
+    assert ours_fused.std() > 10 and _max_diff(ours_fused, theirs) == 0
+
+    lora_metrics = export_pipeline(models, phase, tmp_path / "lora", keep_lora=True)
+    assert lora_metrics["adapter"] == "lora_file"
+    lora = tmp_path / "lora" / "pytorch_lora_weights.safetensors"
+    assert lora.read_bytes() == (phase / "adapter_ema/pytorch_lora_weights.safetensors").read_bytes()
+    base_unet = load_file(tmp_path / "lora/unet/diffusion_pytorch_model.safetensors")
+    ema = load_file(phase / "unet_ema/diffusion_pytorch_model.safetensors")
+    assert base_unet.keys() == ema.keys() and all(torch.equal(base_unet[k], ema[k]) for k in ema)
+    sd = StableDiffusionPipeline.from_pretrained(tmp_path / "lora")
+    sd.load_lora_weights(tmp_path / "lora")
+    ours, theirs = _ours_and_theirs(models, phase, sd, guidance=1.0)
+    assert _max_diff(ours, theirs) == 0
+
+    pipe = load_pipeline(models, phase, device="cpu")
+    base = dataclasses.replace(load_pipeline(models, ckpt, device="cpu"), objective=objective, distill=distill,
+                               flow_shift=pipe.flow_shift)  # fmt: skip
+    without_lora = np.stack(generate(base, PROMPTS, steps=4, guidance_scale=1.0, seeds=[7, 8]))
+    assert _max_diff(ours, without_lora) > 20  # the LoRA matters
+    undistilled = np.stack(
+        generate(dataclasses.replace(pipe, distill=None), PROMPTS, steps=4, guidance_scale=1.0, seeds=[7, 8])
+    )
+    index = json.loads((tmp_path / "fused/model_index.json").read_text())
+    sched = json.loads((tmp_path / "fused/scheduler/scheduler_config.json").read_text())
+    if objective == "diffusion":
+        assert index["scheduler"] == ["diffusers", "LCMScheduler"] == ["diffusers", metrics["scheduler"]]
+        assert (sched["original_inference_steps"], sched["timestep_scaling"], sched["clip_sample"]) == (50, 10.0, False)
+        assert (sched["prediction_type"], sched["rescale_betas_zero_snr"]) == ("v_prediction", True)
+        assert _max_diff(ours, undistilled) > 20  # LCM's consistency steps and re-noising, not DDIM
+    else:  # deterministic consistency sampling is the flow Euler sampler (model.sampler's docstring)
+        assert index["scheduler"] == ["diffusers", "DPMSolverMultistepScheduler"]
+        assert (sched["use_flow_sigmas"], sched["flow_shift"]) == (True, 2.0)
+        assert np.array_equal(ours, undistilled)
+
+
+def test_keep_lora_without_an_unmerged_adapter_is_one_clear_error(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    with pytest.raises(InputError, match="no unmerged adapter to keep as a LoRA file"):
+        export_pipeline(models, ckpt, tmp_path / "sd", keep_lora=True)
+    assert not (tmp_path / "sd").exists()
