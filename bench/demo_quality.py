@@ -54,6 +54,8 @@ import yaml
 
 from bench._common import load_average, machine, result_line
 from bench._ema_study import chosen_name, study, trajectory
+from bench._few_step import few_step_study, share_of_teacher
+from bench._few_step import lines as few_step_lines
 from model.builders import build_unet, unet_config
 from sdforge.config import SCRATCH, Params, load_params
 from sdforge.demo.models import build_demo_text_encoder
@@ -145,13 +147,18 @@ def write_scratch_unet(params: Params, out: Path) -> None:
 
 
 def evaluated_phases(params: Params) -> dict[str, str]:
-    """tag → phase the probe scores: ``first``, ``base`` (the last full fine-tune: the demo's phase 7) and, when
-    the last phase is an adapter, ``adapter`` (the demo's phase 8)."""
+    """tag → phase the probe scores: ``first``, ``base`` (the last full fine-tune: the demo's phase 7), ``adapter``
+    when the last phase that is no distillation is an adapter (the demo's phase 8), and ``distilled``, the last
+    distill phase (the demo's phase 9: its few-step figures come from :mod:`bench._few_step`)."""
     names = list(params.phases)
     full = [n for n in names if params.phases[n].adapter is None] or names
     tags = {"first": names[0], "base": full[-1]}
-    if params.phases[names[-1]].adapter is not None:
-        tags["adapter"] = names[-1]
+    trained = [n for n in names if params.phases[n].distill is None]
+    if params.phases[trained[-1]].adapter is not None:
+        tags["adapter"] = trained[-1]
+    distilled = [n for n in names if params.phases[n].distill is not None]
+    if distilled:
+        tags["distilled"] = distilled[-1]
     return tags
 
 
@@ -176,8 +183,16 @@ def use_text_encoder_draw(base: Path, params: Params, work: Path) -> Params:
 
 
 def train_seed(
-    base: Path, out: Path, seed: int, quick: bool, phases: int = 0, overrides=(), draw=None, from_phase=None,
-    rescore: bool = False, ema_study: bool = True,
+    base: Path,
+    out: Path,
+    seed: int,
+    quick: bool,
+    phases: int = 0,
+    overrides=(),
+    draw=None,
+    from_phase=None,
+    rescore: bool = False,
+    ema_study: bool = True,
 ) -> dict:
     """Mix, train and evaluate every phase for one train seed (and text-encoder ``draw``: None keeps params'); the
     probe figures of :func:`evaluated_phases`. ``from_phase``: continue the work dir from that phase; ``rescore``:
@@ -224,6 +239,8 @@ def train_seed(
         )
         for tag in (t for t, phase in tags.items() if phase == name):
             result.update({f"{tag}_{k}": grid.get(k) for k in (*KEYS, "probe_truth_colour", "probe_truth_shape")})
+        if name == tags.get("distilled"):
+            result["few_step"] = few_step_study(params, name)
         if ema_study and name == tags.get("base") and result.get(f"{name}_posthoc"):
             result["study"] = study(params, name, result[f"{name}_posthoc"])
     log.info("seed %d, text encoder %d: %s", seed, result["draw"], result)
@@ -297,8 +314,9 @@ def val_loss_fields(results: list[dict]) -> dict:
     return {
         "phase1_val_loss_falls": f"{sum(c[-1] < c[0] for c in curves)}/{len(curves)}",
         "phase1_val_loss_falls_every_time": f"{monotone}/{len(curves)}",
-        "val_loss_share_median": _stat([{"x": r["val_loss_s"] / r["train_s"]} for r in results if r["train_s"]],
-                                       "x", statistics.median),  # fmt: skip
+        "val_loss_share_median": _stat(
+            [{"x": r["val_loss_s"] / r["train_s"]} for r in results if r["train_s"]], "x", statistics.median
+        ),  # fmt: skip
     }
 
 
@@ -339,6 +357,37 @@ def trajectory_fields(results: list[dict]) -> dict:
     return fields
 
 
+def few_step_fields(results: list[dict]) -> dict:
+    """Issue 42's figures, per run printed (teacher at 50 steps, at the student's steps and at its UNet calls; the
+    student), and on the RESULT line: the lowest share of the teacher's 50-step probe the student keeps, and in how
+    many runs it beats the teacher at the same steps and at the same UNet calls (colour + shape)."""
+    studied = [r for r in results if r.get("few_step")]
+    if not studied:
+        return {}
+    for r in studied:
+        print(f"seed {r['seed']} text encoder {r['draw']}: few-step sampling (seen prompts x 4 seeds)")
+        for line in few_step_lines(r["few_step"]):
+            print(line)
+
+    def total(f: dict) -> float:
+        return f["colour"] + f["shape"]
+
+    beats = sum(total(r["few_step"]["student"]) > total(r["few_step"]["teacher_few"]) for r in studied)
+    beats_calls = sum(total(r["few_step"]["student"]) > total(r["few_step"]["teacher_same_calls"]) for r in studied)
+    student = [r["few_step"]["student"] for r in studied]
+    return {
+        "distilled_share_of_teacher50_min": min(share_of_teacher(r["few_step"]) for r in studied),
+        "distilled_beats_teacher_same_steps": f"{beats}/{len(studied)}",
+        "distilled_beats_teacher_same_unet_calls": f"{beats_calls}/{len(studied)}",
+        "distilled_colour_median": _stat(student, "colour", statistics.median),
+        "distilled_shape_median": _stat(student, "shape", statistics.median),
+        "teacher_few_colour_median": _stat(
+            [r["few_step"]["teacher_few"] for r in studied], "colour", statistics.median
+        ),  # fmt: skip
+        "teacher_few_shape_median": _stat([r["few_step"]["teacher_few"] for r in studied], "shape", statistics.median),
+    }
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f} %"
 
@@ -352,26 +401,55 @@ def main(argv: list[str] | None = None) -> None:
     """CLI: train every seed, print the table and the RESULT line."""
     parser = argparse.ArgumentParser(prog="python -m bench.demo_quality")
     parser.add_argument("--seeds", type=int, default=3, help="train seeds 0 … N-1 (default 3)")
-    parser.add_argument("--train-seeds", type=int, nargs="+", default=None, metavar="S",
-                        help="these train seeds instead of 0 … N-1 (e.g. to finish an interrupted measurement)")
-    parser.add_argument("--text-encoder-seeds", type=int, nargs="+", default=None, metavar="S",
-                        help="text-encoder build seeds (default: params' draw D and D + 1); each runs every train seed")
-    parser.add_argument("--quick", action="store_true", help="seed 0, params' text encoder, the first phase for one "
-                        "epoch: a harness check")
+    parser.add_argument(
+        "--train-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="S",
+        help="these train seeds instead of 0 … N-1 (e.g. to finish an interrupted measurement)",
+    )
+    parser.add_argument(
+        "--text-encoder-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="S",
+        help="text-encoder build seeds (default: params' draw D and D + 1); each runs every train seed",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="seed 0, params' text encoder, the first phase for one epoch: a harness check",
+    )
     parser.add_argument("--params", type=Path, default=REPO / "params.yaml")
     parser.add_argument("--out", type=Path, default=REPO / ".bench" / "demo_quality")
     parser.add_argument("--phases", type=int, default=0, help="train the first K phases only (0: all)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a params key")
-    parser.add_argument("--from-phase", default=None, metavar="PHASE",
-                        help="continue an earlier invocation's work dirs from PHASE (earlier phases not retrained)")
-    parser.add_argument("--rescore", action="store_true",
-                        help="train nothing: sample and score an earlier invocation's checkpoints again (eval --set)")
-    parser.add_argument("--no-ema-study", dest="ema_study", action="store_false",
-                        help="skip scoring the base phase's post-hoc EMA candidates and earlier phases on the probe")
-    parser.add_argument("--study-only", action="store_true",
-                        help="train nothing: score an earlier invocation's post-hoc EMAs (phase 1's EMA through "
-                             "training; phase 7's candidates and the earlier phases unless --no-ema-study) by "
-                             "validation loss and probe")
+    parser.add_argument(
+        "--from-phase",
+        default=None,
+        metavar="PHASE",
+        help="continue an earlier invocation's work dirs from PHASE (earlier phases not retrained)",
+    )
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="train nothing: sample and score an earlier invocation's checkpoints again (eval --set)",
+    )
+    parser.add_argument(
+        "--no-ema-study",
+        dest="ema_study",
+        action="store_false",
+        help="skip scoring the base phase's post-hoc EMA candidates and earlier phases on the probe",
+    )
+    parser.add_argument(
+        "--study-only",
+        action="store_true",
+        help="train nothing: score an earlier invocation's post-hoc EMAs (phase 1's EMA through "
+        "training; phase 7's candidates and the earlier phases unless --no-ema-study) by "
+        "validation loss and probe",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
@@ -383,8 +461,9 @@ def main(argv: list[str] | None = None) -> None:
         results = [study_seed(args.params, out, s, args.set, d, args.ema_study) for d in draws for s in seeds]
     else:
         results = [
-            train_seed(args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore,
-                       args.ema_study)
+            train_seed(
+                args.params, out, s, args.quick, args.phases, args.set, d, args.from_phase, args.rescore, args.ema_study
+            )
             for d in draws
             for s in seeds
         ]
@@ -394,8 +473,13 @@ def main(argv: list[str] | None = None) -> None:
     ratio, misses = bar_ratio(results)
     for miss in misses:
         print(f"below its bar: {miss}")
-    fields = {"runs": len(results), "seeds": len(seeds), "text_encoder_seeds": ",".join(map(str, draws)),
-              "below_bar": len(misses), "quick": args.quick}
+    fields = {
+        "runs": len(results),
+        "seeds": len(seeds),
+        "text_encoder_seeds": ",".join(map(str, draws)),
+        "below_bar": len(misses),
+        "quick": args.quick,
+    }
     for tag, name in tags.items():
         for key in KEYS:
             if all(r.get(f"{tag}_{key}") is None for r in results):
@@ -411,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     fields["train_s_median"] = _stat(results, "train_s", statistics.median)
     fields.update(val_loss_fields(results))
     fields.update(ema_study_fields(results))
+    fields.update(few_step_fields(results))
     fields["load_avg"] = f"{load_before} -> {load_average()}"
     fields["machine"] = machine()
     print(result_line("demo_quality", ratio, **fields))

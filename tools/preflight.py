@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,10 +44,13 @@ from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, 
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
 from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
 from sdforge.training.reporting import read_steps
+from tools.tiny_demo import merged
 
 log = logging.getLogger("sdforge.preflight")
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OVERLAY = "configs/full/distill.yaml"
+"""The full run's optional phases (LCM-LoRA): rehearsed by default so the forecast has their rows."""
 COPIED = ("dvc.yaml", ".dvcignore", "stages", "sdforge", "model", "tools", "flows")
 GENERATE_PROMPT = "a photo of a red fox in the snow"
 
@@ -314,7 +318,7 @@ def preflight(args: argparse.Namespace) -> int:
     runs: list[StageRun] = []
     ws, totals = None, {}
     try:
-        full = read_params(Path(args.params))
+        full = read_params(Path(args.params), overlays(args.overlay))
         ws = make_workspace(Path(args.out).resolve(), full, _shrink(args, device))
         (ws.root / HTTP_DIR).mkdir(parents=True)
         with serve_directory(ws.root / HTTP_DIR, port=0) as url_base:
@@ -333,13 +337,25 @@ def preflight(args: argparse.Namespace) -> int:
     return 0 if totals else 1
 
 
-def read_params(path: Path) -> dict[str, Any]:
-    """The params file as a dict, once it validates (a :class:`PreflightFailed` naming the key otherwise)."""
+def read_params(path: Path, overlays: list[Path] = ()) -> dict[str, Any]:
+    """The params file with ``overlays`` merged in (mappings key by key: an optional phase such as
+    configs/full/distill.yaml's), once it validates (a :class:`PreflightFailed` naming the key otherwise)."""
     try:
-        load_params(path)
-        return yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text())
+        for overlay in overlays:
+            data = merged(data, yaml.safe_load(overlay.read_text()))
+        with tempfile.TemporaryDirectory() as tmp:  # validated as the workspace will read it
+            (Path(tmp) / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+            load_params(Path(tmp) / "params.yaml")
+        return data
     except (ConfigError, OSError) as err:
         raise PreflightFailed(f"params: {err}") from None
+
+
+def overlays(given: list[str] | None) -> list[Path]:
+    """``--overlay``'s files: the default overlay when none is given, nothing for ``none``."""
+    names = [DEFAULT_OVERLAY] if given is None else [g for g in given if g != "none"]
+    return [Path(n) for n in names]
 
 
 def _shrink(args: argparse.Namespace, device: str) -> Shrink:
@@ -362,6 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``sdforge preflight`` options."""
     pod = Pod()
     parser.add_argument("--params", default="configs/full/params.yaml", help="the configuration to rehearse")
+    parser.add_argument("--overlay", action="append", default=None, metavar="YAML",
+                        help=f"merge this file into --params (repeatable; default {DEFAULT_OVERLAY}: the optional "
+                             "phases the full run may add are rehearsed too); --overlay none: no overlay")  # fmt: skip
     parser.add_argument("--out", default=".preflight", help="scratch workspace (replaced)")
     parser.add_argument("--samples", type=int, default=2, help="items per source (more where a phase needs more)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample images and captions")

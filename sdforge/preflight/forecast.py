@@ -93,14 +93,31 @@ def full_images(full: dict[str, Any]) -> dict[str, int]:
     return {name: n for name, n in samples_needed(full).items() if n}
 
 
-def full_train_samples(full: dict[str, Any]) -> int:
-    """Σ over phases of ``samples × epochs``: the images the full run trains on.
+def full_train_samples(full: dict[str, Any], distill: bool | None = None) -> int:
+    """Σ over phases of ``samples × epochs``: the images the full run trains on (``distill`` True / False: only the
+    distillation phases / only the others; None: all).
 
     Every sample is projected at the measured training rate, whatever its phase's resolution:
     a 256² phase (``phase0``) costs ~4.5× less per sample than the 512² phases, so its share of
     the train forecast is an upper bound.
     """
-    return sum(int(p["samples"]) * int(p["epochs"]) for p in full.get("phases", {}).values())
+    phases = full.get("phases", {}).values()
+    chosen = [p for p in phases if distill is None or bool(p.get("distill")) == distill]
+    return sum(int(p["samples"]) * int(p["epochs"]) for p in chosen)
+
+
+TRAIN_DISTILL = "train_distill"
+"""The forecast row of the distillation phases' ``train`` runs (``phases.<p>.distill``): a sample there costs the
+student's forward and backward plus three UNet forwards without gradient (the teacher's guided pair, the target),
+so they get their own measured rate and, on the pod, half the training rate (assumed)."""
+
+
+def run_kind(run: StageRun, full: dict[str, Any]) -> str:
+    """The forecast row ``run`` counts in: its stage's name, or :data:`TRAIN_DISTILL` for a distill phase's train."""
+    phase = run.name.split("@", 1)[1] if "@" in run.name else ""
+    if run.kind == "train" and full.get("phases", {}).get(phase, {}).get("distill"):
+        return TRAIN_DISTILL
+    return run.kind
 
 
 def phase_steps(phase: dict[str, Any], gpus: int) -> int:
@@ -185,7 +202,7 @@ def forecast(
     """The forecast rows (one per stage type, in run order) and the full run's totals (``cpus``: this device's)."""
     by_kind: dict[str, list[StageRun]] = {}
     for run in runs:
-        by_kind.setdefault(run.kind, []).append(run)
+        by_kind.setdefault(run_kind(run, full), []).append(run)
     images = sum(full_images(full).values())
     rows = [_row(kind, kind_runs, full, preflight, pod, images, cpus) for kind, kind_runs in by_kind.items()]
     rows += [row] if (row := coco_row(by_kind.get("eval_grid", []), full, pod)) else []
@@ -226,8 +243,12 @@ def _row(kind: str, runs: list[StageRun], full: dict, preflight: dict, pod: Pod,
     elif kind == "encode_latents":
         _project(row, _encode_rate(runs), "img/s", images, pod.encode_img_s * pod.gpus, "")
     elif kind == "train":
-        work = full_train_samples(full)
+        work = full_train_samples(full, distill=False)
         _project(row, _train_rate(runs), "img/s", work, pod.train_img_s * pod.gpus, "")
+    elif kind == TRAIN_DISTILL:
+        work = full_train_samples(full, distill=True)
+        _project(row, _train_rate(runs), "img/s", work, pod.train_img_s * pod.gpus / 2,
+                 "pod rate assumed half training's (3 more UNet forwards per sample)")  # fmt: skip
     elif kind == "caption_images":
         _caption_row(row, runs, full)
     elif kind == "eval_grid":

@@ -34,11 +34,11 @@ def test_an_override_of_a_missing_section_is_an_error(tmp_path):
         seed_params(REPO_PARAMS, tmp_path, seed=0, quick=False, overrides=["nope.lr=1"])
 
 
-def test_the_probe_scores_the_first_phase_the_last_full_one_and_the_adapter(tmp_path):
+def test_the_probe_scores_the_first_phase_the_last_full_one_the_adapter_and_the_distilled_one(tmp_path):
     from bench.demo_quality import evaluated_phases
 
     params = seed_params(REPO_PARAMS, tmp_path, seed=0, quick=False)
-    assert evaluated_phases(params) == {"first": "phase0", "base": "phase7", "adapter": "phase8"}
+    assert evaluated_phases(params) == {"first": "phase0", "base": "phase7", "adapter": "phase8", "distilled": "phase9"}
     (tmp_path / "q").mkdir()
     quick = seed_params(REPO_PARAMS, tmp_path / "q", seed=0, quick=True)
     assert evaluated_phases(quick) == {"first": "phase0", "base": "phase0"}
@@ -97,3 +97,19 @@ def test_from_phase_and_rescore_continue_only_an_earlier_run(tmp_path):
     with pytest.raises(SystemExit, match="--rescore: no earlier run in .*seed-0"):
         train_seed(REPO_PARAMS, tmp_path, 0, False, rescore=True)
     assert not (tmp_path / "seed-0" / "checkpoints").exists()  # nothing trained, nothing deleted
+
+
+def test_few_step_fields_compare_the_student_with_its_teacher():
+    from bench.demo_quality import few_step_fields
+
+    def f(colour, shape, steps, calls):
+        return {"colour": colour, "shape": shape, "steps": steps, "guidance": 3.0, "unet_calls": calls,
+                "ms_per_image": 1.0}
+
+    study = {"teacher": "phase7", "teacher_many": f(1.0, 0.96, 50, 100), "teacher_few": f(1.0, 0.97, 4, 8),
+             "teacher_same_calls": f(0.9, 0.6, 2, 4), "student": f(1.0, 0.88, 4, 4)}  # fmt: skip
+    fields = few_step_fields([{"seed": 0, "draw": 0, "few_step": study}])
+    assert fields["distilled_share_of_teacher50_min"] == pytest.approx(0.88 / 0.96)
+    assert fields["distilled_beats_teacher_same_steps"] == "0/1"
+    assert fields["distilled_beats_teacher_same_unet_calls"] == "1/1"
+    assert few_step_fields([{"seed": 0}]) == {}

@@ -188,3 +188,22 @@ def test_the_coco_protocol_runs_on_the_preflight_sample_and_is_forecast_per_imag
     no_coco = copy.deepcopy(FULL)
     no_coco["eval"]["coco"]["phase_end_samples"] = 0
     assert "eval_coco" not in {r.stage for r in forecast(runs, no_coco, derived(), pod)[0]}
+
+
+def test_a_distill_phase_gets_its_own_train_row():
+    """configs/full/distill.yaml's LCM phase: its train run is measured and projected apart (its samples at its own
+    rate; on the pod half the training rate), the other phases' samples stay in the ``train`` row."""
+    full = copy.deepcopy(FULL)
+    full["phases"]["phase8_lcm"] = {**full["phases"]["phase7"], "samples": 96_000, "epochs": 1,
+                                    "distill": {"method": "lcm"}}  # fmt: skip
+    runs = [
+        StageRun("train@phase7", 100.0, 18 * 1024**3, {"world_size": 1}, steps=[(40.0, 1), (25.0, 1)]),
+        StageRun("train@phase8_lcm", 150.0, 19 * 1024**3, {"world_size": 1}, steps=[(60.0, 1), (50.0, 1)]),
+    ]
+    rows, _ = forecast(runs, full, derived(), Pod(gpus=2, train_img_s=50.0), cpus=2)
+    by_stage = {r.stage: r for r in rows}
+    assert [r.stage for r in rows] == ["train", "train_distill"]
+    assert by_stage["train"].full_work == full_train_samples(FULL) and by_stage["train"].rate == pytest.approx(1 / 25)
+    lcm = by_stage["train_distill"]
+    assert lcm.full_work == 96_000 and lcm.rate == pytest.approx(1 / 50)
+    assert lcm.pod_hours == pytest.approx(round(96_000 / 50 / 3600, 2))  # 2 GPUs × 50 img/s ÷ 2

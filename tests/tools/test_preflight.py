@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from sdforge.latents.store import open_shard
+from sdforge.preflight.forecast import full_train_samples
 from tools import preflight
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,10 +69,12 @@ def test_full_preflight_runs_every_stage_within_memory(full_run):
     assert status == 0
     stages = report["stages"]
     assert {s["name"].split("@")[0] for s in stages} == STAGE_KINDS | {"export", "generate"}
-    assert {s["name"] for s in stages if s["name"].startswith("train@")} == {f"train@phase{i}" for i in range(0, 8)}
+    phases = {f"phase{i}" for i in range(0, 8)} | {"phase8_lcm"}  # + configs/full/distill.yaml's optional phase
+    assert {s["name"] for s in stages if s["name"].startswith("train@")} == {f"train@{p}" for p in phases}
     assert max(s["peak_rss_bytes"] for s in stages) <= 20 * 1024**3
     assert {r["stage"] for r in report["rows"]} == STAGE_KINDS | {"export", "generate"}
-    assert report["totals"]["full_train_samples"] == 23_345_948
+    rehearsed = preflight.read_params(FULL, [REPO / preflight.DEFAULT_OVERLAY])
+    assert report["totals"]["full_train_samples"] == full_train_samples(rehearsed) == 28_545_948 + 96_000
 
 
 @pytest.mark.slow
@@ -88,7 +91,7 @@ def test_full_preflight_shapes_and_checkpoints(full_run):
     uncond = load_file(ws / "models/uncond_embedding.safetensors")["uncond"]
     assert tuple(uncond.shape) == (1, 77, 768)
     trained = [s for s in report["stages"] if s["name"].startswith("train@")]
-    assert [s["metrics"]["unet_params"] for s in trained] == [SD1_UNET_PARAMS] * 8
+    assert [s["metrics"]["unet_params"] for s in trained] == [SD1_UNET_PARAMS] * 9
     assert all(s["metrics"]["steps"] == 2 for s in trained)
 
 
@@ -104,6 +107,17 @@ def test_full_preflight_export_samples_512(full_run):
     assert image.size == (512, 512)
     generated = sorted((ws / "generated").glob("*.png"))
     assert len(generated) == 1 and Image.open(generated[0]).size == (512, 512)
+
+
+def test_the_full_runs_optional_distill_phase_is_rehearsed_by_default():
+    """configs/full/distill.yaml (LCM-LoRA of phase 7, off in the full config) joins the rehearsed configuration
+    unless ``--overlay none``; merged, it validates."""
+    assert preflight.overlays(None) == [Path(preflight.DEFAULT_OVERLAY)] and preflight.overlays(["none"]) == []
+    data = preflight.read_params(FULL, [REPO / preflight.DEFAULT_OVERLAY])
+    lcm = data["phases"]["phase8_lcm"]
+    assert lcm["init_from"] == "phase7" and lcm["distill"]["num_ddim_timesteps"] == 50
+    assert (lcm["distill"]["w_min"], lcm["distill"]["w_max"]) == (3.0, 15.0) and lcm["adapter"]["merge"] is False
+    assert "phase8_lcm" not in yaml.safe_load(FULL.read_text())["phases"]  # off by default
 
 
 def test_unknown_source_in_a_phase_mix_stops_before_any_stage(tmp_path, capsys):
