@@ -274,10 +274,21 @@ def default_draws(base: Path) -> list[int]:
     return [draw, draw + 1]
 
 
+DISTILLED_SHARE = 0.9
+"""Issue 42's bar: the distilled phase's few-step colour and shape agreement keep ≥ 90 % of its teacher's 50-step."""
+
+
 def bar_ratio(results: list[dict]) -> tuple[float, list[str]]:
-    """The lowest figure ÷ bar over every run and :data:`BARS` entry the runs measured, and the misses."""
+    """The lowest figure ÷ bar over every run and :data:`BARS` entry the runs measured (and :data:`DISTILLED_SHARE`
+    where a run has few-step figures), and the misses."""
     ratios, misses = [], []
     for r in results:
+        if r.get("few_step"):
+            share = share_of_teacher(r["few_step"])
+            ratios.append(share / DISTILLED_SHARE)
+            if share < DISTILLED_SHARE:
+                misses.append(f"seed {r['seed']} text encoder {r['draw']}: {r['tags']['distilled']} keeps "
+                              f"{share:.3f} < {DISTILLED_SHARE} of its teacher's 50-step probe")  # fmt: skip
         for (tag, key), bar in BARS.items():
             value = r.get(f"{tag}_{key}")
             if value is None:

@@ -113,3 +113,16 @@ def test_few_step_fields_compare_the_student_with_its_teacher():
     assert fields["distilled_beats_teacher_same_steps"] == "0/1"
     assert fields["distilled_beats_teacher_same_unet_calls"] == "1/1"
     assert few_step_fields([{"seed": 0}]) == {}
+
+
+def test_the_distilled_phase_has_issue_42s_bar():
+    from bench.demo_quality import bar_ratio
+
+    def f(colour, shape):
+        return {"colour": colour, "shape": shape}
+
+    study = {"teacher_many": f(1.0, 1.0), "student": f(1.0, 0.81)}
+    ratio, misses = bar_ratio([{"seed": 1, "draw": 0, "tags": {"distilled": "phase9"}, "few_step": study}])
+    assert ratio == pytest.approx(0.81 / 0.9) and misses == [
+        "seed 1 text encoder 0: phase9 keeps 0.810 < 0.9 of its teacher's 50-step probe"
+    ]
