@@ -160,7 +160,7 @@ def category_strip(category: str, phases: list[PhaseResults]) -> Image.Image | N
     draw, y = ImageDraw.Draw(out), 0
     for name, img in rows:
         out.paste(img, (LABEL_W, y))
-        draw.text((6, y + img.height // 2 - 6), name, fill="black")
+        draw.text((6, y + img.height // 2 - 6 * (name.count("\n") + 1)), name, fill="black")
         draw.line([(0, y), (width, y)], fill=(200, 200, 200))
         y += img.height
     return out

@@ -108,3 +108,23 @@ def test_the_post_hoc_ema_table_lists_every_candidate_and_bolds_the_choice(tmp_p
     table = re.search(r'<table id="posthoc">(.*?)</table>', page).group(1)
     rows = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
     assert rows == [["phase1", "0.05", "fixed: 0.10125 · <b>0.05: 0.10010</b> · 0.1: 0.10052"]]
+
+
+def test_a_phase_sampled_with_one_setting_shows_its_steps_and_unet_calls(tmp_path):
+    """A distilled phase's eval grid records ``sampling_steps`` / ``unet_calls_per_image``: the table shows them
+    and its strip rows are labelled with the steps (its 4-step strips under the teacher's 15-step ones)."""
+    from sdforge.eval.report import PhaseResults, strip_label
+
+    metrics, evals = _workspace(tmp_path)
+    for phase, steps, calls in (("phase1", 15, 30.0), ("phase2", 4, 4.0)):
+        path = metrics / "eval_grid" / f"{phase}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "sampling_steps": steps,
+                                    "unet_calls_per_image": calls}))  # fmt: skip
+    report = build_report("t", CONFIGS, list(STRIP_SIZES), metrics, evals)
+    rows = re.findall(r"<tr>(.*?)</tr>", report.page)
+    header = re.findall(r"<th>(.*?)</th>", rows[0])
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows[1:]]
+    at = header.index("sampler steps")
+    assert header[at + 1] == "UNet calls/img" and [c[at : at + 2] for c in cells[:2]] == [["15", "30.0"], ["4", "4.0"]]
+    assert strip_label(PhaseResults("phase2", {}, {"eval_grid": {"sampling_steps": 4}})) == "phase2\n4 steps"
+    assert strip_label(PhaseResults("phase3", {})) == "phase3"
