@@ -3,7 +3,7 @@
 The folder holds the EMA UNet (``--live``: the live weights), the frozen VAE, text encoder and
 tokenizer, and the scheduler that ``sdforge generate`` samples with — DDIM with the training betas and
 ``clip_sample=False`` for a diffusion phase, ``LCMScheduler`` for a consistency-distilled (``distill``)
-diffusion phase, the flow-matching Euler sampler for a flow-matching one, distilled or not
+diffusion phase, the flow-matching Euler sampler for a flow-matching one (its stochastic variant when distilled)
 (:func:`model.sampler.sampling_scheduler`) — all as safetensors; no safety checker
 (``requires_safety_checker=False``). With the same seeds (CPU generators, one per image), steps and guidance
 the folder reproduces ``sdforge generate``'s images pixel for pixel. A distilled phase samples with its
@@ -32,16 +32,13 @@ from diffusers import StableDiffusionPipeline
 
 from model.sampler import sampling_scheduler
 from sdforge.config import ConfigError, Tracking
-from sdforge.eval.sampling import few_step_settings, load_pipeline, unmerged_adapter
+from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, unmerged_adapter
 from sdforge.io import InputError
 from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "diffusers_pipeline"
-LORA_FILE = "pytorch_lora_weights.safetensors"
-"""The adapter's file name in its phase folder and, with ``keep_lora``, at the export folder's root (the name
-``load_lora_weights(folder)`` looks for)."""
 
 
 def export_pipeline(

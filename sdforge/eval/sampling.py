@@ -18,6 +18,10 @@ from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+"""The file name diffusers' ``load_lora_weights(folder)`` / ``load_lora_adapter`` look for: a phase's ``adapter*/``
+folders (:mod:`sdforge.training.adapter_files`) and a ``--lora-file`` export hold the adapter under it."""
+
 
 def pick_device(requested: str = "auto") -> torch.device:
     """CUDA, then Apple MPS, then CPU — or exactly what was requested."""
@@ -164,7 +168,7 @@ def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:
 def load_lora(unet, folder: Path) -> None:
     """Apply the diffusers LoRA file in ``folder`` to ``unet`` the way ``load_lora_weights`` does (unfused)."""
     try:
-        unet.load_lora_adapter(str(folder), prefix="unet", weight_name="pytorch_lora_weights.safetensors")
+        unet.load_lora_adapter(str(folder), prefix="unet", weight_name=LORA_FILE)
     except Exception as err:  # noqa: BLE001 - a file that does not apply is the folder's fault: one line
         failure = load_failure(err, with_type=True)
         raise InputError(f"{folder}: the LoRA does not apply to this UNet ({failure})") from None

@@ -20,12 +20,12 @@ from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
 from model.learned_words import LEARNED_WORDS_FILE
+from sdforge.eval.sampling import LORA_FILE
 from sdforge.io import atomic_write_bytes
 from sdforge.latents.store import sorted_header
 
 log = logging.getLogger(__name__)
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
 UNET_FILE = "diffusion_pytorch_model.safetensors"
 
 
