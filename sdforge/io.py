@@ -73,6 +73,13 @@ def loss_curve_path(metrics_dir: str | Path, phase: str) -> Path:
     return Path(metrics_dir) / LOSS_CURVE / f"{phase}.csv"
 
 
+def held_out_path(index_path: str | Path) -> Path:
+    """A phase index's held-out companion: ``<phase>.parquet`` → ``<phase>.held_out.parquet`` (written by
+    ``mix_phase``, read by the training's held-out loss; here, not in the polars-using ``sdforge.latents.mix``, so
+    the train stage imports no polars — the GPU image has none: bench/gpu/wheels.txt)."""
+    return Path(index_path).with_suffix(".held_out.parquet")
+
+
 def stage_cli(
     stage: str,
     run: Callable[[Params, str | None], dict[str, Any]],

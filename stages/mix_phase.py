@@ -23,8 +23,8 @@ import numpy as np
 import polars as pl
 
 from sdforge.config import Params, Phase
-from sdforge.io import InputError, atomic_write_bytes, read_parquet_checked, stage_cli
-from sdforge.latents.mix import BUCKET_COLUMNS, held_out_path, index_columns, split_counts, split_held_out
+from sdforge.io import InputError, atomic_write_bytes, held_out_path, read_parquet_checked, stage_cli
+from sdforge.latents.mix import BUCKET_COLUMNS, index_columns, split_counts, split_held_out
 from sdforge.latents.store import MANIFEST, resolution_dir
 from sdforge.tracking import stage_run, summarise
 

@@ -34,7 +34,9 @@ DEPS_ALLOWLIST = {
     # with an explicit value in params.yaml (docs/ARCHITECTURE.md). Listing it would re-run the whole
     # DAG at full scale for every new option. A package: every module of it (sdforge.config.*) is allowlisted.
     "sdforge.config",
-    "sdforge.io",  # logging set-up, the stage CLI wrapper, atomic writes of bytes the stage computed
+    # logging set-up, the stage CLI wrapper, atomic writes of bytes the stage computed, and file-name conventions
+    # (metrics_path, held_out_path) whose files are the stages' own dvc.yaml outs and deps
+    "sdforge.io",
 }
 STAGE_DEPS_ALLOWLIST = {
     # Validation images: sampled from the EMA weights (swapped in and back out) and logged to MLflow only;

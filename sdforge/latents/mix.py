@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from pathlib import Path
 
 import polars as pl
 
@@ -39,11 +38,6 @@ def held_out_keys(source: str, keys: list[str], count: int) -> set[str]:
     resolution's manifest lists the same keys), whatever the phase's seed or mix."""
     unique = sorted(set(keys), key=lambda key: hashlib.sha256(f"{source}/{key}".encode()).digest())
     return set(unique[:count])
-
-
-def held_out_path(index_path: Path) -> Path:
-    """A phase index's held-out companion: ``<phase>.parquet`` → ``<phase>.held_out.parquet``."""
-    return Path(index_path).with_suffix(".held_out.parquet")
 
 
 def index_columns(manifest: pl.DataFrame, source: str) -> pl.DataFrame:

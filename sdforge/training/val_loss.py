@@ -27,8 +27,8 @@ from model.held_out_loss import fixed_fractions, held_out_losses
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
 from sdforge.config import Params
+from sdforge.io import held_out_path
 from sdforge.latents.loader import LatentIndexDataset
-from sdforge.latents.mix import held_out_path
 from sdforge.training.conditioning import Conditioning
 from sdforge.training.hooks import Hook
 

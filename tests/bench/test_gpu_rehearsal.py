@@ -13,29 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.gpu_image import IMAGE_PACKAGES
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-IMAGE_PACKAGES = [
-    # ../shared/GPU.md's list (the image has torch 2.11; here the project's CPU pin)
-    "torch==2.13.0",
-    "transformers==5.17.0",
-    "accelerate",
-    "peft",
-    "safetensors",
-    "opencv-python-headless",
-    "pyarrow",
-    "pandas",
-    "numpy",
-    "pytest",
-    "hypothesis",
-    "tqdm",
-    "pyyaml",
-    # also in the image (the device README's package list) and needed: diffusers checks for requests and imports
-    # PIL; pyproject sets a pytest timeout
-    "pillow",
-    "requests",
-    "pytest-timeout",
-]
 
 
 def _copy_tree(dest: Path) -> None:
