@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sdforge.config import Tracking, redact_credentials
+from sdforge.io import OutputError
 from sdforge.tracking_spool import SpooledRun, locked, pending, set_aside, spool_dir, staged_files
 
 log = logging.getLogger(__name__)
@@ -270,11 +271,19 @@ def _spooled_run(spool: Path, parent: str, stage: str, params: dict, parent_para
         yield recorder
     except BaseException:
         recorder.failed()
+        _spool_failed(recorder, spool)  # the stage's own error goes on, not a spool write fault after it
         raise
-    finally:
-        entry = recorder.write(spool)
-        log.info("MLflow run of %s/%s spooled to %s (replayed when a stage next opens MLflow, or by "
-                 "`sdforge tracking-flush`)", parent, stage, entry)  # fmt: skip
+    entry = recorder.write(spool)
+    log.info("MLflow run of %s/%s spooled to %s (replayed when a stage next opens MLflow, or by "
+             "`sdforge tracking-flush`)", parent, stage, entry)  # fmt: skip
+
+
+def _spool_failed(recorder: SpooledRun, spool: Path) -> None:
+    """Spool the run of a stage that raised; a write fault here is only logged (the stage's error is the one)."""
+    try:
+        recorder.write(spool)
+    except OutputError as err:
+        log.error("%s", err)
 
 
 @contextlib.contextmanager

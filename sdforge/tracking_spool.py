@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from sdforge.io import naming_write_faults
+
 SPOOL_SUFFIX = ".spool"
 SQLITE_PREFIX = "sqlite:///"
 ENTRY = "entry.json"
@@ -43,10 +45,14 @@ def spool_dir(uri: str) -> Path | None:
 
 
 def pending(folder: Path) -> list[Path]:
-    """The spooled runs in ``folder``, oldest first (fully written ones only)."""
+    """The spooled runs in ``folder``, oldest first (fully written ones only: not a ``.<name>.tmp`` folder that a
+    write fault left half-written)."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and (p / ENTRY).is_file() and p.name != FAILED)
+    return sorted(
+        p for p in folder.iterdir()
+        if p.is_dir() and (p / ENTRY).is_file() and p.name != FAILED and not p.name.startswith(".")
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -169,15 +175,18 @@ class SpooledRun:
         self.entry["status"] = "FAILED"
 
     def write(self, folder: Path) -> Path:
-        """Put the run in the spool: written under a temporary name, then renamed (never half-seen)."""
-        folder.mkdir(parents=True, exist_ok=True)
+        """Put the run in the spool: written under a temporary name, then renamed (never half-seen). A write fault
+        is an :class:`~sdforge.io.OutputError` naming the spool folder (the stage's own outputs are written)."""
         name = f"{time.time_ns():020d}-{os.getpid()}"
         tmp = folder / f".{name}.tmp"
-        (tmp / "files").mkdir(parents=True)
-        for i, data in enumerate(self.files):
-            (tmp / "files" / f"{i:04d}").write_bytes(data)
-        (tmp / ENTRY).write_text(json.dumps(self.entry, indent=1, default=str))
-        tmp.rename(folder / name)
+        kept = "the stage's outputs are written; only its MLflow record is missing until a rerun"
+        with naming_write_faults(folder, "the spooled MLflow run", setting="tracking.mlflow_uri", kept=kept):
+            folder.mkdir(parents=True, exist_ok=True)
+            (tmp / "files").mkdir(parents=True)
+            for i, data in enumerate(self.files):
+                (tmp / "files" / f"{i:04d}").write_bytes(data)
+            (tmp / ENTRY).write_text(json.dumps(self.entry, indent=1, default=str))
+            tmp.rename(folder / name)
         return folder / name
 
 

@@ -44,7 +44,7 @@ from model.precision import uses_bf16_autocast
 from sdforge.captions.store import read_captions
 from sdforge.config import Encode, Params
 from sdforge.ingest.buckets import Size, shapes_of
-from sdforge.io import InputError, atomic_write_bytes, stage_cli
+from sdforge.io import InputError, atomic_write_bytes, require_writable, stage_cli
 from sdforge.latents import s3_inputs
 from sdforge.latents import store as store
 from sdforge.latents.encoded import (
@@ -69,6 +69,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def open_out_dir(out_dir: Path, shards: set[int]) -> None:
+    """Check that ``out_dir`` can be written (else one :class:`~sdforge.io.OutputError` line, before any encoding),
+    create it, and remove a killed run's temp files and the shards of input tars that are gone."""
+    require_writable(out_dir, "latents", setting="paths.latents")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(out_dir, shards)
+
+
 def run(
     cfg: Encode, source: str, shard_dir: str | Path, models_dir: Path, out_dir: Path, buckets: list[Size] | None = None,
     captions_dir: Path | None = None, max_pixels: int | None = None, max_caption_chars: int | None = None,
@@ -82,8 +90,7 @@ def run(
     precision = "bf16" if uses_bf16_autocast(torch.device(device), cfg.mixed_precision) else "fp32"
     tars = list_inputs(shard_dir)
     encoder = encoder_fingerprint(models_dir, cfg, precision, buckets)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clean_stale(out_dir, {t.shard for t in tars})
+    open_out_dir(out_dir, {t.shard for t in tars})
     captions = {t.shard: read_captions(captions_dir, Path(t.name).stem) if captions_dir else None for t in tars}
     digests = {shard: captions_digest(c) for shard, c in captions.items()}
     with ThreadPoolExecutor(4) as pool:  # hashing the inputs of finished shards: disk-bound, GIL released

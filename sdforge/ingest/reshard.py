@@ -46,7 +46,7 @@ from sdforge.ingest.image_convert import convert
 from sdforge.ingest.reshard_plan import Item, ShardPlan, load_rows, plan_shards
 from sdforge.ingest.sources.images import ImageRejected
 from sdforge.ingest.sources.rows import reshard_checks, safe_member
-from sdforge.io import atomic_file
+from sdforge.io import atomic_file, naming_write_faults
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,13 @@ class ShardWriter:
         self.records: dict[str, dict[str, Any]] = {}
         self.samples: dict[str, tuple[int, int, str]] = {}  # key → (offset, length) in the spill, sample json
         self.spill_path = out_dir / f".{self.name}.spill.tmp"
-        self.spill = self.spill_path.open("wb")
+        with self._faults_named():
+            self.spill = self.spill_path.open("wb")
+
+    def _faults_named(self):
+        """A write fault in the shard's files named (:class:`~sdforge.io.OutputError`)."""
+        kept = "complete shards are kept: a rerun writes only the others"
+        return naming_write_faults(self.out_dir / f"{self.name}.tar", "the shard", setting="paths.shards", kept=kept)
 
     def _record(self, item: Item, status: str, error: str | None) -> dict[str, Any]:
         return {
@@ -119,13 +125,15 @@ class ShardWriter:
         meta = {k: v for k, v in json.loads(item.meta).items() if k not in record}
         sample_json = json.dumps(meta | {k: v for k, v in record.items() if k != "meta"}, indent=4, sort_keys=True)
         offset = self.spill.tell()
-        self.spill.write(jpeg)
+        with self._faults_named():
+            self.spill.write(jpeg)
         self.records[item.key] = record
         self.samples[item.key] = (offset, len(jpeg), sample_json)
 
     def finish(self) -> None:
         """Write ``NNNNN.tar``, ``.parquet``, then ``_stats.json`` (the completion marker)."""
-        self.spill.close()
+        with self._faults_named():
+            self.spill.close()
         missing = [item for item in self.plan.items if item.key not in self.records]
         for item in missing:  # a programming error upstream; never silently lose a row
             self.reject(item, "failed_to_download", "row was not processed")

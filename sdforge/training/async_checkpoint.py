@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from sdforge.io import OutputError
+
 log = logging.getLogger(__name__)
 
 MEMORY_MARGIN_BYTES = 2 * 2**30
@@ -174,12 +176,16 @@ class BackgroundWriter:
         self.copied.wait()
 
     def wait(self) -> Path | None:
-        """Wait for the write in flight (if any); its checkpoint, or a CheckpointWriteError with its cause."""
+        """Wait for the write in flight (if any); its checkpoint, or a CheckpointWriteError with its cause — a write
+        fault (full disk, file-size limit, …) is re-raised on the caller's thread as the writer's
+        :class:`~sdforge.io.OutputError` (one line, status 2 from the stage CLI)."""
         if self.thread is None:
             return None
         self.thread.join()
         self.thread = None
         if self.error is not None:
             error, self.error = self.error, None
+            if isinstance(error, OutputError):  # a write fault: its one line (path, cause, what to do) as it is
+                raise error
             raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
         return self.result

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sdforge.io import OutputError
 from sdforge.training.async_checkpoint import (
     BackgroundWriter,
     CheckpointWriteError,
@@ -261,7 +262,7 @@ class CheckpointManager:
         """Wait for the write in flight and the pending uploads (a failed background write is logged)."""
         try:
             self.writer.wait()
-        except CheckpointWriteError as err:
+        except (CheckpointWriteError, OutputError) as err:
             log.error("%s; the previous checkpoint is the newest complete one", err)
         if self.uploader:
             self.uploader.close()

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from sdforge.io import naming_write_faults
+
 log = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
@@ -46,6 +48,10 @@ uploaded with the checkpoints to ``train.checkpoint_s3`` and fetched back on a r
 CONFIG = "config.json"
 FORMAT = 3
 """3: ``batch`` counts optimizer steps in the epoch (2: micro-batches), the global batch is recorded."""
+
+
+WRITE_FAULT_KEPT = "the previous checkpoint (if any) is intact: a rerun resumes from it"
+"""What a checkpoint write that failed (full disk, file-size limit, …) left: the temp folder is never renamed."""
 
 
 class CheckpointError(Exception):
@@ -192,29 +198,39 @@ def save_checkpoint(
     final = run_dir / checkpoint_name(progress.step)
     tmp = run_dir / f"{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_weights(tmp)
-    torch.save({**state, "progress": vars(progress).copy(), "loss": loss}, tmp / STATE)
-    for rank, rank_rng in enumerate(rng):
-        torch.save(rank_rng, rng_path(tmp, rank))
-    (tmp / CONFIG).write_text(json.dumps(config or {}, indent=1, sort_keys=True, default=str) + "\n")
-    stamp = run_dir / "fingerprint.txt"
-    manifest = {
-        "format": FORMAT,
-        **vars(progress),
-        "loss": loss,
-        "world": len(rng),
-        "global_batch": state.get("global_batch"),
-        "ledger": ledger or [],
-        "fingerprint": stamp.read_text().strip() if stamp.is_file() else None,
-        "files": _file_table(tmp),
-    }
-    (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1) + "\n")
+    with naming_write_faults(tmp, "the checkpoint", setting="paths.runs", kept=WRITE_FAULT_KEPT):
+        tmp.mkdir(parents=True)
+        write_weights(tmp)
+        save_tensors({**state, "progress": vars(progress).copy(), "loss": loss}, tmp / STATE)
+        for rank, rank_rng in enumerate(rng):
+            save_tensors(rank_rng, rng_path(tmp, rank))
+        (tmp / CONFIG).write_text(json.dumps(config or {}, indent=1, sort_keys=True, default=str) + "\n")
+        stamp = run_dir / "fingerprint.txt"
+        manifest = {
+            "format": FORMAT,
+            **vars(progress),
+            "loss": loss,
+            "world": len(rng),
+            "global_batch": state.get("global_batch"),
+            "ledger": ledger or [],
+            "fingerprint": stamp.read_text().strip() if stamp.is_file() else None,
+            "files": _file_table(tmp),
+        }
+        (tmp / COMPLETE).write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     prune(run_dir, retention)
     log.info("checkpoint %s (epoch %d, batch %d, loss %s)", final, progress.epoch, progress.batch, loss)
     return final
+
+
+def save_tensors(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a write fault keeps its errno: by path, torch's zip writer
+    reports a full disk or a file-size limit only as ``basic_ios::clear: iostream error``. A fault is an
+    :class:`~sdforge.io.OutputError` naming ``path`` (``docs/RESILIENCE.md``, Write faults)."""
+    with naming_write_faults(path, "a checkpoint file", setting="paths.runs", kept=WRITE_FAULT_KEPT):
+        with open(path, "wb") as fh:
+            torch.save(obj, fh)
 
 
 def prune(run_dir: Path, retention: Retention) -> list[Path]:

@@ -26,6 +26,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdforge.io import naming_write_faults
+
 log = logging.getLogger(__name__)
 
 LEDGER_DIR = "ledger"
@@ -99,8 +101,10 @@ def write_segment(run_dir: Path, records: list[dict[str, np.ndarray]], data, fir
     folder.mkdir(parents=True, exist_ok=True)
     name = segment_name(first, last)
     tmp = folder / f".{name}.tmp"
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, folder / name)
+    kept = "the previous checkpoint (if any) and its segments are intact: a rerun resumes from it"
+    with naming_write_faults(folder / name, "the sample-ledger segment", setting="paths.runs", kept=kept):
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, folder / name)
     return {"name": name, "rows": table.num_rows, "sha256": _sha256(folder / name)}
 
 

@@ -13,12 +13,14 @@ import pyarrow.parquet as pq
 import torch
 
 from model.speed import compile_seconds
-from sdforge.io import loss_curve_path, write_json
+from sdforge.io import loss_curve_path, naming_write_faults, require_writable, write_json
 from sdforge.training.ledger import audit, caption_summary, read_ledger, source_summary
 from sdforge.training.reporting import write_loss_curve
 from sdforge.training.state import LOSS_TAIL
 
 log = logging.getLogger(__name__)
+
+EXPORT_KEPT = "the run's checkpoints are intact: a rerun exports again from the last one"
 
 
 def phase_metrics(job, resumed_at: int, elapsed: float) -> dict:
@@ -54,9 +56,14 @@ def phase_metrics(job, resumed_at: int, elapsed: float) -> dict:
 def export_results(job, run_dir: Path, metrics: dict) -> None:
     """Main rank: the loss curve (``mean_loss`` into ``metrics``), the exported weights and the ledger figures."""
     params, out_dir = job.params, Path(job.params.paths.checkpoints) / job.phase_name
-    metrics["mean_loss"] = write_loss_curve(run_dir, loss_curve_path(params.paths.metrics, job.phase_name))
-    export_phase(job, out_dir, metrics["final_loss"])
-    metrics.update(ledger_metrics(job, run_dir, out_dir))
+    curve = loss_curve_path(params.paths.metrics, job.phase_name)
+    with naming_write_faults(curve, "the loss curve", setting="paths.metrics", kept=EXPORT_KEPT):
+        metrics["mean_loss"] = write_loss_curve(run_dir, curve)
+    what, setting = "the phase's weights", "paths.checkpoints"
+    require_writable(out_dir, what, setting=setting)  # else a read-only folder's rmtree fails silently, mkdir "exists"
+    with naming_write_faults(out_dir, what, setting=setting, kept=EXPORT_KEPT):
+        export_phase(job, out_dir, metrics["final_loss"])
+        metrics.update(ledger_metrics(job, run_dir, out_dir))
 
 
 def export_phase(job, out_dir: Path, final_loss: float | None) -> None:

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from sdforge.bounds.captions import cut_caption
 from sdforge.bounds.paths import resolves_inside
+from sdforge.io import naming_write_faults
 
 ROW_COLUMNS = ("archive", "member", "caption", "meta")
 TRUNCATED_COLUMN = "caption_truncated"
@@ -115,7 +116,8 @@ def write_rows(
     table = pa.Table.from_pylist(ordered, schema=ROW_SCHEMA)
     checks = {"min_width": min_width, "min_height": min_height}
     table = table.replace_schema_metadata({RESHARD_CHECKS_KEY: json.dumps(checks, sort_keys=True).encode()})
-    pq.write_table(table, out_file)
+    with naming_write_faults(out_file, "the filtered rows", setting="paths.filtered"):
+        pq.write_table(table, out_file)
     return cut
 
 
