@@ -4,7 +4,8 @@
   three streaming polars passes that never hold the input).
 * other kinds: :func:`sdforge.ingest.sources.filter_source`.
 
-Metrics: ``files``, ``rows_in``, ``dropped_<rule>`` per rule, ``rows_out``. MLflow also gets the
+Metrics: ``files``, ``rows_in``, ``dropped_<rule>`` per rule, ``rows_out``, ``captions_truncated``, and (LAION
+kind) ``urls_credentials_redacted`` (URLs stored with ``***`` for their userinfo). MLflow also gets the
 metrics JSON and (LAION kind) a PNG (+ JSON) of the aesthetic and similarity histograms before and
 after (:mod:`sdforge.ingest.sources.laion.histograms`).
 """
@@ -19,7 +20,7 @@ from sdforge.config import Params, Source, Tracking
 from sdforge.ingest import sources
 from sdforge.ingest.sources.laion.filter import filter_laion
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_figure
-from sdforge.io import InputError, stage_cli
+from sdforge.io import InputError, require_writable, stage_cli
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def filter_with_histograms(
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if not in_dir.is_dir():
         raise InputError(f"metadata folder {in_dir} not found (run download_metadata first)")
+    require_writable(out_dir, "the filtered metadata", setting="paths.filtered")  # else the rmtree fails silently
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     hist = None

@@ -27,22 +27,28 @@ from sdforge.config import parse_params
 from sdforge.demo.captioner import score_captions
 from sdforge.demo.corpus import WEBDUMP_DIR, WEBDUMP_TRUTH
 from sdforge.demo.shapes import parse_caption
+from sdforge.io import InputError
+from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
 from tools.preflight import COPIED, stage_env
 from tools.tiny_demo import RECAPTION_OVERLAY, merged
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = "webdump"
+WORKSPACE_MARKER = ".sdforge-demo-recaption"
+"""Written first into ``--out``: only a folder holding it is reused (its copy of the code replaced)."""
 
 
 def make_workspace(out: Path) -> dict[str, Any]:
     """``out`` with the DAG's code, the merged params and a DVC repo without git (kept if it exists: a rerun
-    resumes where the last one stopped); returns the params."""
+    resumes where the last one stopped); returns the params. ``out`` must be new, empty or this tool's workspace
+    (its :data:`WORKSPACE_MARKER`); never the project or a folder around it (an :class:`InputError`)."""
     params = merged(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(RECAPTION_OVERLAY.read_text()))
-    out.mkdir(parents=True, exist_ok=True)
+    check_scratch_dir(out, WORKSPACE_MARKER, "demo_recaption workspace", REPO, COPIED)
+    mark_scratch_dir(out, WORKSPACE_MARKER, "demo_recaption workspace")
     for name in COPIED:
         src, dst = REPO / name, out / name
         if src.is_dir():
-            shutil.rmtree(dst, ignore_errors=True)  # the code is the repo's, never a rerun's leftover
+            shutil.rmtree(dst, ignore_errors=True)  # our workspace's copy of the code, replaced by the repo's
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         elif src.is_file():
             dst.write_bytes(src.read_bytes())
@@ -76,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all", action="store_true", help="the whole DAG (phase 6 trains on the captions)")
     args = parser.parse_args(argv)
     root = Path(args.out).resolve()
-    params = make_workspace(root)
+    try:
+        params = make_workspace(root)
+    except InputError as err:
+        print(err, file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "dvc", "repro", *([] if args.all else [args.target])]
     rc = subprocess.run(cmd, cwd=root, env=stage_env()).returncode

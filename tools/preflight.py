@@ -40,6 +40,8 @@ import yaml
 from flows.dvc_ops.dag import upstream_stages
 from sdforge.config import ConfigError, load_params
 from sdforge.demo.http_server import serve_directory
+from sdforge.io import InputError
+from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
 from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
 from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
@@ -52,6 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OVERLAY = "configs/full/distill.yaml"
 """The full run's optional phases (LCM-LoRA): rehearsed by default so the forecast has their rows."""
 COPIED = ("dvc.yaml", ".dvcignore", "stages", "sdforge", "model", "tools", "flows")
+WORKSPACE_MARKER = ".sdforge-preflight"
+"""Written first into ``--out``: only a folder holding it is replaced by the next preflight."""
 GENERATE_PROMPT = "a photo of a red fox in the snow"
 
 
@@ -79,10 +83,16 @@ class Workspace:
 
 
 def make_workspace(out: Path, full: dict[str, Any], shrink: Shrink) -> Workspace:
-    """A fresh ``out`` holding the DAG's code, the derived params and a DVC repo without git."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    """A fresh ``out`` holding the DAG's code, the derived params and a DVC repo without git. ``out`` must be
+    new, empty or a previous preflight's workspace (its :data:`WORKSPACE_MARKER`), which is replaced; never the
+    project or a folder around it (:func:`sdforge.output_dirs.check_scratch_dir`)."""
+    try:
+        previous = check_scratch_dir(out, WORKSPACE_MARKER, "preflight workspace", REPO, COPIED)
+    except InputError as err:
+        raise PreflightFailed(str(err)) from None
+    if previous:
+        shutil.rmtree(out)  # a previous preflight's scratch workspace (its marker says so), replaced as --out says
+    mark_scratch_dir(out, WORKSPACE_MARKER, "preflight workspace")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in COPIED:
         src = REPO / name
@@ -381,7 +391,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlay", action="append", default=None, metavar="YAML",
                         help=f"merge this file into --params (repeatable; default {DEFAULT_OVERLAY}: the optional "
                              "phases the full run may add are rehearsed too); --overlay none: no overlay")  # fmt: skip
-    parser.add_argument("--out", default=".preflight", help="scratch workspace (replaced)")
+    parser.add_argument(
+        "--out", default=".preflight", help="scratch workspace: new, empty or a previous preflight's (replaced)"
+    )
     parser.add_argument("--samples", type=int, default=2, help="items per source (more where a phase needs more)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample images and captions")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -20,6 +20,11 @@ An adapter phase with ``adapter.merge: false`` (e.g. an LCM-LoRA) is exported in
 
 ``--mlflow-register NAME`` logs the folder as the artifacts of an MLflow run (``export`` under the
 parent run ``export``) and creates a version of registered model ``NAME`` whose source is them.
+
+The folder is written beside ``--out`` (``.<name>.export-<random>/``), ``sdforge_export.json`` last, and renamed
+into place: an export is complete or absent. ``--out`` must be new, an empty folder, or — with ``--overwrite`` —
+a previous export (it holds ``sdforge_export.json`` and only what an export writes); it must not overlap the
+workspace's folders or contain the workspace (:func:`check_workspace_target`, docs/RESILIENCE.md "What deletes what").
 """
 
 from __future__ import annotations
@@ -31,23 +36,78 @@ from pathlib import Path
 from diffusers import StableDiffusionPipeline
 
 from model.sampler import sampling_scheduler
-from sdforge.config import ConfigError, Tracking
+from sdforge.config import ConfigError, Params, Tracking
 from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, unmerged_adapter
-from sdforge.io import InputError
+from sdforge.io import InputError, write_json
+from sdforge.output_dirs import (
+    check_replaceable,
+    fresh_sibling,
+    refuse_workspace_target,
+    resolved,
+    unexpected_entries,
+    warn_leftovers,
+    workspace_folders,
+)
 from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "diffusers_pipeline"
+EXPORT_MARKER = "sdforge_export.json"
+"""The export's metrics, written last into the folder: what proves a folder to be a previous export."""
+EXPORT_ENTRIES = frozenset({
+    "model_index.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler", "safety_checker",
+    "feature_extractor", "image_encoder", LORA_FILE, EXPORT_MARKER,
+})  # fmt: skip
+"""What an export may hold at its top (``StableDiffusionPipeline``'s components, the LoRA file, the marker)."""
+TEMP_TAG, REPLACED_TAG = "export", "replaced"
+
+
+def check_workspace_target(out_dir: Path, params: Params, params_file: Path, checkpoint_dir: Path) -> None:
+    """:class:`InputError` when ``out_dir`` overlaps a ``params.paths`` folder (checkpoints, runs, data, models,
+    eval, …) or the ``checkpoint_dir`` read, or contains the workspace (the params file's folder, the current
+    directory): ``sdforge export`` checks it before :func:`export_pipeline`."""
+    workspaces = [Path.cwd(), resolved(params_file).parent]
+    folders = {f"the workspace folder {k}": v for k, v in workspace_folders(params.paths, workspaces).items()}
+    folders[f"--checkpoint {checkpoint_dir}"] = resolved(checkpoint_dir)
+    refuse_workspace_target(out_dir, "--out", folders, workspaces)
+
+
+def _check_previous(out_dir: Path, overwrite: bool) -> bool:
+    """Whether ``out_dir`` holds a previous export to replace (an :class:`InputError` if it holds anything
+    else, or one without ``overwrite``)."""
+    if not check_replaceable(out_dir, EXPORT_MARKER, "export", "--out", overwrite):
+        return False
+    foreign = unexpected_entries(out_dir, EXPORT_ENTRIES)
+    if foreign:
+        raise InputError(
+            f"--out {out_dir}: a previous export that also holds {', '.join(foreign)}, which an export does not "
+            "write; move them out of it, or pick a new folder"
+        )
+    return True
 
 
 def export_pipeline(
-    models_dir: Path, checkpoint_dir: Path, out_dir: Path, use_ema: bool = True, keep_lora: bool = False
+    models_dir: Path,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    use_ema: bool = True,
+    keep_lora: bool = False,
+    overwrite: bool = False,
 ) -> dict:
-    """Write the diffusers folder to ``out_dir`` (replaced whole, via a sibling temp folder); return metrics.
+    """Write the diffusers folder and its ``sdforge_export.json`` to ``out_dir``; return the metrics.
+
+    ``out_dir`` must be new, an empty folder or (``overwrite``) a previous export, and must not overlap the
+    ``models_dir`` or ``checkpoint_dir`` read (:class:`InputError` otherwise, before anything is loaded). The
+    folder is written beside it and renamed into place; a previous export is moved aside first and removed
+    once the new one is in place. On any failure ``out_dir`` is left as it was and the temp folder removed.
 
     ``keep_lora``: the base UNet plus the unmerged adapter's LoRA file at the root instead of the fused UNet; an
     :class:`InputError` when the phase has no unmerged adapter."""
+    inputs = {f"the models folder {models_dir}": resolved(models_dir),
+              f"the checkpoint {checkpoint_dir}": resolved(checkpoint_dir)}  # fmt: skip
+    refuse_workspace_target(out_dir, "--out", inputs, [])
+    _check_previous(out_dir, overwrite)
     adapter = unmerged_adapter(checkpoint_dir, use_ema)
     if keep_lora and adapter is None:
         raise InputError(
@@ -57,35 +117,68 @@ def export_pipeline(
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=use_ema, device="cpu", fuse_adapter=not keep_lora)
     if keep_lora:  # the base UNet goes to unet/: drop the (unfused) LoRA layers, the weights stay the base's
         pipe.unet.unload_lora()
-    scheduler = sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift, pipe.distill)
-    sd = StableDiffusionPipeline(
-        vae=pipe.vae,
-        text_encoder=pipe.text_encoder,
-        tokenizer=pipe.tokenizer,
-        unet=pipe.unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    sd.save_pretrained(tmp, safe_serialization=True)
-    if keep_lora:
-        shutil.copyfile(adapter / LORA_FILE, tmp / LORA_FILE)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
-    log.info("exported %s (%s weights) to %s", checkpoint_dir, "EMA" if use_ema else "live", out_dir)
-    return {
+    sd = _diffusers_pipeline(pipe)
+    metrics = {
         "export_dir": str(out_dir),
         "checkpoint": str(checkpoint_dir),
         "checkpoint_hash": pipe.checkpoint_hash,
         "weights": "ema" if use_ema else "live",
         "image_size": int(sd.unet.config.sample_size * sd.vae_scale_factor),
-        "scheduler": type(scheduler).__name__,
+        "scheduler": type(sd.scheduler).__name__,
         **({"adapter": "lora_file" if keep_lora else "fused"} if adapter is not None else {}),
         **_few_step_metrics(pipe),
     }
+    _write(sd, adapter / LORA_FILE if keep_lora else None, metrics, out_dir, overwrite)
+    log.info("exported %s (%s weights) to %s", checkpoint_dir, "EMA" if use_ema else "live", out_dir)
+    return metrics
+
+
+def _diffusers_pipeline(pipe) -> StableDiffusionPipeline:
+    """Our loaded pipeline as diffusers' ``StableDiffusionPipeline`` with the sampler ``generate`` uses."""
+    return StableDiffusionPipeline(
+        vae=pipe.vae,
+        text_encoder=pipe.text_encoder,
+        tokenizer=pipe.tokenizer,
+        unet=pipe.unet,
+        scheduler=sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift, pipe.distill),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def _write(sd: StableDiffusionPipeline, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: bool) -> None:
+    """Save ``sd`` (and ``lora_file``) into a new temp folder beside ``out_dir``, the marker last, and rename it
+    into place; on any failure remove the temp folder (ours) and leave ``out_dir`` as it was."""
+    target = resolved(out_dir)  # written at the real folder: a symlink given as --out stays a link to it
+    warn_leftovers(target, [TEMP_TAG, REPLACED_TAG])
+    tmp = fresh_sibling(target, TEMP_TAG)
+    try:
+        sd.save_pretrained(tmp, safe_serialization=True)
+        if lora_file is not None:
+            shutil.copyfile(lora_file, tmp / LORA_FILE)
+        write_json(tmp / EXPORT_MARKER, metrics)  # last: a folder with the marker is a whole export
+        _publish(tmp, target, replace=_check_previous(out_dir, overwrite))  # checked again: minutes went by
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # our own temp folder, nothing else
+        raise
+
+
+def _publish(tmp: Path, out_dir: Path, replace: bool) -> None:
+    """Rename the finished ``tmp`` to ``out_dir`` (absent, or an empty folder, which the rename replaces); with
+    ``replace``, the previous export is moved aside first, put back if the rename fails, removed after."""
+    if not replace:
+        tmp.rename(out_dir)
+        return
+    aside = fresh_sibling(out_dir, REPLACED_TAG)
+    out_dir.rename(aside / out_dir.name)
+    try:
+        tmp.rename(out_dir)
+    except BaseException:
+        (aside / out_dir.name).rename(out_dir)
+        aside.rmdir()
+        raise
+    shutil.rmtree(aside)  # holds only the previous export, proven ours by _check_previous
 
 
 def _few_step_metrics(pipe) -> dict:

@@ -12,14 +12,17 @@ from pathlib import Path
 
 from sdforge.config import FetchSettings
 from sdforge.ingest import shards
-from sdforge.io import atomic_write_bytes
+from sdforge.io import atomic_write_bytes, require_writable
+from sdforge.output_dirs import move_aside
 
 log = logging.getLogger(__name__)
 
 FINGERPRINT_FILE = ".fetch-fingerprint"
 """Inside the output folder, so it travels with the shards (DVC cache, checkout). Not ``*.json``:
 img2dataset's incremental mode reads every ``*.json`` of the folder as a shard's stats."""
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2
+"""Bumped when the same inputs and settings make different shards: 2 (issue 55) decodes URLs with the local
+kinds' decode policy (EXIF orientation, HDR refused) and writes every error message on one line."""
 OUTPUT_SETTINGS = (
     "image_size",
     "resize_mode",
@@ -74,10 +77,13 @@ def fingerprint(filtered: Path, fetch: FetchSettings, archives: str | None = Non
 
 
 def prepare_out_dir(out_dir: Path, fingerprint_text: str) -> bool:
-    """Keep ``out_dir``'s finished shards when its fingerprint matches (return True), else empty it.
+    """Keep ``out_dir``'s finished shards when its fingerprint matches (return True), else empty it; a folder
+    with files but no fingerprint (not fetched by this stage) is moved aside instead (:func:`move_aside`).
 
-    Either way ``out_dir`` then holds the fingerprint and only finished shards.
+    Either way ``out_dir`` then holds the fingerprint and only finished shards. A folder that cannot be written
+    (read-only, forbidden, full) is an :class:`~sdforge.io.OutputError` before anything in it is touched.
     """
+    require_writable(out_dir, "the fetched shards", setting="paths.shards")
     path = out_dir / FINGERPRINT_FILE
     if path.is_file() and path.read_text() == fingerprint_text:
         removed = shards.discard_unfinished(out_dir, keep={FINGERPRINT_FILE})
@@ -88,9 +94,11 @@ def prepare_out_dir(out_dir: Path, fingerprint_text: str) -> bool:
             removed or "nothing",
         )
         return True
-    if out_dir.exists():
-        log.info("%s was fetched from other inputs or settings (or not by this stage): emptying it", out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if path.is_file():
+        log.info("%s was fetched from other inputs or settings: emptying it", out_dir)
+    elif out_dir.is_dir() and any(out_dir.iterdir()):  # no fingerprint: not fetched by this stage
+        move_aside(out_dir, "holds files this stage did not fetch (no .fetch-fingerprint)")
+    shutil.rmtree(out_dir, ignore_errors=True)  # its own earlier fetch (its fingerprint), or nothing
     out_dir.mkdir(parents=True)
     atomic_write_bytes(path, fingerprint_text.encode())
     return False

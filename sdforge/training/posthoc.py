@@ -24,6 +24,8 @@ from safetensors.torch import save_file
 
 from model.posthoc_ema import combine, gamma_of, synthesis_coefficients
 from sdforge.config import Params
+from sdforge.io import naming_write_faults
+from sdforge.output_dirs import refuse_workspace_target, resolved
 from sdforge.training.checkpoints import POSTHOC_DIR
 from sdforge.training.hooks import Hook
 from sdforge.training.val_loss import HeldOutLoss, ValLossHook
@@ -51,10 +53,11 @@ def write_snapshot(path: Path, step: int, sigma_rels: list[float], shadows: list
     """Write every tracked EMA of optimizer step ``step`` atomically; its bytes."""
     tensors = {f"{i}/{k}": t.detach().cpu().contiguous()
                for i, shadow in enumerate(shadows) for k, t in enumerate(shadow)}  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp, metadata={"step": str(step), "sigma_rels": json.dumps(sigma_rels)})
-    os.replace(tmp, path)
+    with naming_write_faults(path, "a post-hoc EMA snapshot", setting="paths.runs"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, tmp, metadata={"step": str(step), "sigma_rels": json.dumps(sigma_rels)})
+        os.replace(tmp, path)
     return path.stat().st_size
 
 
@@ -93,10 +96,13 @@ def write_candidate_checkpoint(checkpoint_dir: Path, run_dir: Path, name: str, o
                                step: int | None = None) -> Path:  # fmt: skip
     """A copy of a full fine-tune's phase checkpoint ``checkpoint_dir`` in ``out_dir`` whose ``unet_ema/`` holds
     candidate ``name`` (:func:`candidate_weights`, at ``step``) instead of the exported EMA: to sample or score
-    another EMA length of a finished phase. Returns ``out_dir``."""
+    another EMA length of a finished phase. Returns ``out_dir``; an :class:`~sdforge.io.InputError` when it
+    overlaps the checkpoint or the run dir it reads."""
     # lazy: diffusers' import costs seconds, and only this offline export needs it here
     from diffusers import UNet2DConditionModel
 
+    read = {f"the checkpoint {checkpoint_dir}": resolved(checkpoint_dir), f"the run dir {run_dir}": resolved(run_dir)}
+    refuse_workspace_target(out_dir, "out_dir", read, [])  # it is replaced whole below
     weights = candidate_weights(run_dir, name, step)
     shutil.rmtree(out_dir, ignore_errors=True)  # out_dir is the caller's scratch copy, never a phase's checkpoint
     shutil.copytree(checkpoint_dir, out_dir)

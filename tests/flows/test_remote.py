@@ -95,3 +95,13 @@ def test_fresh_clone_restores_a_stage_with_persistent_outputs(tmp_path, moto_s3)
     assert ran_here(clone) == []
     for name in ("prepared.txt", "metrics/prepare.json", "mix-phase1.txt"):
         assert (clone / name).read_bytes() == (project / name).read_bytes(), name
+
+    # a clone whose code differs from the pushed run's: the entry is not taken, and the dvc.lock written to try it
+    # is put back as it was (removed when there was none: the only thing this path deletes)
+    other = fresh_clone(project, tmp_path / "pod2")
+    configure_remote(other, storage)
+    (other / "fake_stage.py").write_text((other / "fake_stage.py").read_text() + "# changed\n")
+    lock = other / "dvc.lock"
+    before = lock.read_bytes() if lock.exists() else None
+    assert restore_stage(other, "prepare") == "absent"
+    assert (lock.read_bytes() if lock.exists() else None) == before

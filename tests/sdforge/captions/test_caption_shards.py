@@ -4,6 +4,7 @@ degenerate generations — with a scripted captioner (counts every image it is a
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -11,7 +12,7 @@ import pytest
 
 from sdforge.captions.cache import settings_fingerprint
 from sdforge.captions.captioner import generate, load_captioner
-from sdforge.captions.shards import UNREADABLE, Captioning, caption_shards
+from sdforge.captions.shards import UNREADABLE, Captioning, caption_shards, remove_orphans
 from tests.fixtures.captioner import COLOURS, build_tiny_blip, jpeg, tar_bytes, write_shard
 
 
@@ -131,3 +132,14 @@ def test_samples_with_the_same_image_bytes_keep_their_own_original_captions(tmp_
     assert [r["original_caption"] for r in rows] == ["first", "second"]
     expected = ["first", "second"] if degenerate else ["a red square on a plain background"] * 2
     assert [r["synthetic_caption"] for r in rows] == expected
+
+
+def test_remove_orphans_deletes_only_temps_and_parquets_without_a_tar(tmp_path):
+    """What ``caption_images`` deletes in its output folder: a killed run's ``.*.tmp`` and the captions of a shard
+    that is gone; the captions of a shard that is there and anything else stay."""
+    out = tmp_path / "captions"
+    out.mkdir()
+    for name in ("00000.parquet", "00001.parquet", ".00002.parquet.tmp", "notes.txt"):
+        (out / name).write_bytes(b"x")
+    assert remove_orphans(out, [Path("shards/00000.tar")]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["00000.parquet", "notes.txt"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from sdforge.config import Tracking
-from sdforge.eval.export import MODEL_ARTIFACT, export_pipeline, register
+from sdforge.eval.export import EXPORT_ENTRIES, EXPORT_MARKER, MODEL_ARTIFACT, export_pipeline, register
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError
 from tests.fixtures.eval_workspace import make_workspace, write_adapter_phase, write_distilled_phase
@@ -266,3 +268,140 @@ def test_keep_lora_without_an_unmerged_adapter_is_one_clear_error(exported, tmp_
     with pytest.raises(InputError, match="no unmerged adapter to keep as a LoRA file"):
         export_pipeline(models, ckpt, tmp_path / "sd", keep_lora=True)
     assert not (tmp_path / "sd").exists()
+
+
+# -- what --out may be (issue 55: `export --out DIR` deleted DIR whatever it held) ---------------------------
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file and folder under ``folder`` (relative path → its bytes; a folder → b"<dir>")."""
+    return {p.relative_to(folder).as_posix(): b"<dir>" if p.is_dir() else p.read_bytes() for p in folder.rglob("*")}
+
+
+def test_the_export_holds_only_what_an_export_may_hold_and_its_marker(exported):
+    _, _, out, metrics = exported
+    assert {p.name for p in out.iterdir()} <= EXPORT_ENTRIES
+    assert json.loads((out / EXPORT_MARKER).read_text()) == metrics  # written into the folder before its rename
+
+
+def test_a_folder_with_a_users_file_is_refused_and_left_byte_identical(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    out = tmp_path / "mine"
+    (out / "photos").mkdir(parents=True)
+    (out / "photos/cat.jpg").write_bytes(b"\xff\xd8 a user's photo")
+    (out / "notes.txt").write_text("keep me")
+    before = _tree(tmp_path)
+    with pytest.raises(InputError, match=r"--out .*mine: a folder with files that are not a previous export"):
+        export_pipeline(models, ckpt, out)
+    with pytest.raises(InputError, match="not a previous export"):
+        export_pipeline(models, ckpt, out, overwrite=True)  # --overwrite replaces only a previous export
+    assert _tree(tmp_path) == before  # nothing deleted, nothing left beside it
+
+
+def test_a_file_as_out_is_refused(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(InputError, match="exists and is not a folder"):
+        export_pipeline(models, ckpt, tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_an_empty_folder_takes_the_export(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    (tmp_path / "empty").mkdir()
+    export_pipeline(models, ckpt, tmp_path / "empty")
+    assert (tmp_path / "empty" / EXPORT_MARKER).is_file() and [p.name for p in tmp_path.iterdir()] == ["empty"]
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "inside the checkpoint", "the models folder", "their parent"])
+def test_out_overlapping_what_the_export_reads_is_refused(exported, tmp_path, where):
+    models, ckpt, _, _ = exported
+    out = {"the checkpoint": ckpt, "inside the checkpoint": ckpt / "export", "the models folder": models / "x/..",
+           "their parent": ckpt.parent.parent}[where]  # fmt: skip
+    before = _tree(ckpt.parent.parent)
+    with pytest.raises(InputError, match="--out .*: overlaps the (checkpoint|models folder) "):
+        export_pipeline(models, ckpt, out)
+    assert _tree(ckpt.parent.parent) == before
+
+
+def test_a_sibling_tmp_folder_of_the_user_survives(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    (tmp_path / "sd.tmp").mkdir()
+    (tmp_path / "sd.tmp/draft.txt").write_text("the user's")
+    export_pipeline(models, ckpt, tmp_path / "sd")
+    assert (tmp_path / "sd.tmp/draft.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sd", "sd.tmp"]  # no temp folder of ours left
+
+
+def test_overwrite_replaces_a_previous_export_and_refuses_without_the_flag(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    out = tmp_path / "sd"
+    export_pipeline(models, ckpt, out)
+    ema = _tree(out)
+    with pytest.raises(InputError, match="holds a previous export; pass --overwrite to replace it"):
+        export_pipeline(models, ckpt, out, use_ema=False)
+    assert _tree(out) == ema
+    metrics = export_pipeline(models, ckpt, out, use_ema=False, overwrite=True)
+    assert metrics["weights"] == "live" and json.loads((out / EXPORT_MARKER).read_text())["weights"] == "live"
+    live = load_file(ckpt / "unet/diffusion_pytorch_model.safetensors")
+    exported_unet = load_file(out / "unet/diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(exported_unet[k], live[k]) for k in live)
+    assert [p.name for p in tmp_path.iterdir()] == ["sd"]  # the previous export moved aside, then removed
+
+
+def test_overwrite_refuses_a_previous_export_that_also_holds_a_users_file(exported, tmp_path):
+    models, ckpt, _, _ = exported
+    out = tmp_path / "sd"
+    export_pipeline(models, ckpt, out)
+    (out / "README.md").write_text("my notes on this model")
+    before = _tree(tmp_path)
+    with pytest.raises(InputError, match="also holds README.md, which an export does not write"):
+        export_pipeline(models, ckpt, out, overwrite=True)
+    assert _tree(tmp_path) == before
+
+
+def test_a_failure_mid_export_leaves_the_previous_export_and_no_temp_folder(exported, tmp_path, monkeypatch):
+    from diffusers import StableDiffusionPipeline
+
+    models, ckpt, _, _ = exported
+    out = tmp_path / "sd"
+    export_pipeline(models, ckpt, out)
+    before = _tree(tmp_path)
+
+    def half_written(self, folder, **kwargs):
+        (Path(folder) / "unet").mkdir(parents=True)
+        (Path(folder) / "unet/diffusion_pytorch_model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(StableDiffusionPipeline, "save_pretrained", half_written)
+    with pytest.raises(OSError, match="No space left"):
+        export_pipeline(models, ckpt, out, use_ema=False, overwrite=True)
+    assert _tree(tmp_path) == before  # the previous export as it was; the temp folder gone
+
+
+def test_a_failed_rename_puts_the_previous_export_back(exported, tmp_path, monkeypatch):
+    models, ckpt, _, _ = exported
+    out = tmp_path / "sd"
+    export_pipeline(models, ckpt, out)
+    before = _tree(tmp_path)
+    rename = Path.rename
+
+    def refuse_the_new_one(self, target):
+        if self.name.startswith(".sd.export-"):
+            raise OSError(30, "Read-only file system")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", refuse_the_new_one)
+    with pytest.raises(OSError, match="Read-only"):
+        export_pipeline(models, ckpt, out, use_ema=False, overwrite=True)
+    assert _tree(tmp_path) == before
+
+
+def test_leftovers_of_a_killed_export_are_named_and_kept(exported, tmp_path, caplog):
+    models, ckpt, _, _ = exported
+    (tmp_path / ".sd.export-0badc0de").mkdir()
+    (tmp_path / ".sd.export-0badc0de/model_index.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="sdforge.output_dirs"):
+        export_pipeline(models, ckpt, tmp_path / "sd")
+    assert ".sd.export-0badc0de" in caplog.text and "left by a killed run" in caplog.text
+    assert (tmp_path / ".sd.export-0badc0de/model_index.json").read_text() == "{}"

@@ -76,3 +76,13 @@ def test_resume_drops_segments_its_checkpoint_does_not_list_and_a_changed_segmen
     (tmp_path / "ledger" / first["name"]).write_bytes(b"not parquet")
     with pytest.raises(LedgerError, match="sha256"):
         read_ledger(tmp_path, [first])
+
+
+def test_resume_removes_a_killed_writes_temp_segment_and_nothing_but_segments(tmp_path: Path):
+    """``keep_only`` deletes only the ledger's own files: unlisted ``*.parquet`` segments and ``.*.tmp`` temps."""
+    plans = [plan_epoch(np.zeros(32, np.int32), e, 3, 8) for e in range(2)]
+    first = write_segment(tmp_path, [b.take() for b in _record(range(1, 3), plans)], DATA, 1, 2)
+    (tmp_path / "ledger" / ".00000003-00000004.parquet.tmp").write_bytes(b"half a segment")  # a killed write
+    (tmp_path / "ledger" / "notes.txt").write_text("not the ledger's")
+    assert keep_only(tmp_path, [first]) == []
+    assert sorted(p.name for p in (tmp_path / "ledger").iterdir()) == [first["name"], "notes.txt"]

@@ -149,6 +149,27 @@ def test_background_uploads_mirror_retention(moto_s3, tmp_path):
     assert not list((run_dir / ".upload").iterdir()) and uploader.failed == 0
 
 
+def test_uploads_copy_when_hard_links_fail_and_the_spool_is_emptied(moto_s3, tmp_path, monkeypatch):
+    """A file system without hard links: the half-linked snapshot is removed and copied whole instead (the spool is
+    the uploader's own); the local checkpoint is untouched and the remote one complete."""
+    run_dir = tmp_path / "phase1"
+    run_dir.mkdir()
+    (run_dir / "fingerprint.txt").write_text("abc\n")
+    ckpt = save(run_dir, 1, 0.5)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+
+    def no_links(src, dst, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.link", no_links)
+    uploader = BackgroundUploader(remote_for(moto_s3, run_dir), run_dir, Retention(keep_last=2), sync=True)
+    uploader.submit(ckpt)
+    uploader.close()
+    assert uploader.failed == 0 and [c.step for c in uploader.remote.complete()] == [1]
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    assert not list((run_dir / ".upload").iterdir())
+
+
 # -- end to end: the train stage on a "fresh pod" ------------------------------------------------
 def test_fresh_pod_resumes_from_s3_bit_identical(moto_s3, tmp_path, monkeypatch, straight_phase1):
     from tests.fixtures.training import train, untrained_clone, weights
