@@ -216,12 +216,17 @@ def latent_shape_for(
     """``(C, h, w)`` of the latents for a ``width``×``height`` image; a side not given is ``image_size``, else
     the UNet's sample size in pixels. Both sides must be multiples of :func:`pixel_multiple` (64 px for SD)."""
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    default = unet.config.sample_size * factor if image_size is None else image_size
+    default = trained_image_side(unet, vae) if image_size is None else image_size
     w, h = width or default, height or default
     multiple = pixel_multiple(unet, vae)
     if w % multiple or h % multiple:
         raise ValueError(f"image size {w}×{h}: width and height must be multiples of {multiple} px for this model")
     return (unet.config.in_channels, h // factor, w // factor)
+
+
+def trained_image_side(unet: UNet2DConditionModel, vae: AutoencoderKL) -> int:
+    """The image side in px the UNet was built for: its sample size × the VAE's downsampling (512 for SD 1.x)."""
+    return int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 def pixel_multiple(unet: UNet2DConditionModel, vae: AutoencoderKL) -> int:

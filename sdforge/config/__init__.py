@@ -11,8 +11,10 @@ Stage modules take only their own section(s); they never see the raw dict.
 
 One module per domain, each section beside its checks; import from here (``from sdforge.config import Phase``):
 
-- :mod:`~sdforge.config.base`: :class:`Section`, :class:`ConfigError`, safe names, URL/credential checks, the
-  weight-effect classification (:class:`Effect`, :func:`keys_by_effect`)
+- :mod:`~sdforge.config.base`: :class:`Section` (floats finite, no boolean for a number), :class:`ConfigError`,
+  safe names, URL/credential checks, the numeric types the params and the ``sdforge`` flags share
+  (``PositiveInt``, ``GuidanceScale``, ``Seed``), the weight-effect classification (:class:`Effect`,
+  :func:`keys_by_effect`)
 - :mod:`~sdforge.config.paths`: ``paths``, ``tracking``, ``storage``
 - :mod:`~sdforge.config.demo`: ``demo``
 - :mod:`~sdforge.config.sources`: ``sources.<name>`` (filter, fetch, per-kind options, recaption)
@@ -23,21 +25,27 @@ One module per domain, each section beside its checks; import from here (``from 
 - :mod:`~sdforge.config.eval`: ``eval``
 - :mod:`~sdforge.config.cluster`: ``cluster``
 - :mod:`~sdforge.config.params`: the whole file (:class:`Params`) and the loader
+- :mod:`~sdforge.config.arguments`: the ``sdforge`` command's flags, validated with the same types
 """
 
 from sdforge.config.base import (
     CREDENTIALS_HINT,
     MAX_NAME_LENGTH,
+    MAX_SEED,
     RESERVED_PHASE_NAMES,
     RGB,
     SCRATCH,
     ConfigError,
     Effect,
+    GuidanceScale,
     PhaseName,
+    PositiveInt,
     S3Url,
     SafeName,
     Section,
+    Seed,
     Url,
+    bool_for_number,
     check_no_credentials,
     check_phase_name,
     check_s3_url,
@@ -96,6 +104,7 @@ __all__ = [
     "CREDENTIALS_HINT",
     "GUIDANCE_WARN_ABOVE",
     "MAX_NAME_LENGTH",
+    "MAX_SEED",
     "RESERVED_PHASE_NAMES",
     "RGB",
     "SCRATCH",
@@ -124,6 +133,7 @@ __all__ = [
     "FetchSettings",
     "Fid",
     "FilterRules",
+    "GuidanceScale",
     "JourneyDbOptions",
     "LaunchSettings",
     "InputLimits",
@@ -135,6 +145,7 @@ __all__ = [
     "Paths",
     "Phase",
     "PhaseName",
+    "PositiveInt",
     "PrecisionSettings",
     "Recaption",
     "ReportingSettings",
@@ -142,6 +153,7 @@ __all__ = [
     "S3Url",
     "SafeName",
     "Section",
+    "Seed",
     "Shorten",
     "Source",
     "Storage",
@@ -152,6 +164,7 @@ __all__ = [
     "UNetSpec",
     "Url",
     "VaeBuild",
+    "bool_for_number",
     "check_dns_label",
     "check_no_credentials",
     "check_phase_name",

@@ -1,15 +1,18 @@
-"""What every config section shares: the :class:`Section` base, :class:`ConfigError`, the checks of names that
-become path components and of URLs (never credentials), the annotated types built on them, and the
-weight-effect classification of keys (:class:`Effect`, :func:`key_effect`, :func:`keys_by_effect`).
+"""What every config section shares: the :class:`Section` base (numbers finite, never a boolean), :class:`ConfigError`,
+the checks of names that become path components and of URLs (never credentials), the annotated types built on
+them and the numeric ones that ``params.yaml`` and the ``sdforge`` flags share (:data:`PositiveInt`,
+:data:`GuidanceScale`, :data:`Seed`), and the weight-effect classification of keys (:class:`Effect`,
+:func:`key_effect`, :func:`keys_by_effect`).
 """
 
 from __future__ import annotations
 
 import re
+import types
 from enum import StrEnum
-from typing import Annotated, ClassVar
+from typing import Annotated, Any, ClassVar, Union, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SCRATCH = "scratch"
 """``init_from`` value of a phase that starts from the seeded random UNet."""
@@ -125,16 +128,67 @@ class Effect(StrEnum):
     """The job's shape (world size): a run resumes with its global batch kept (docs/RESILIENCE.md)."""
 
 
+# --- numbers: finite, never a boolean ---------------------------------------------------------------------------
+
+MAX_SEED = 2**63 - 1
+"""The largest seed: ``torch.Generator.manual_seed`` takes a 64-bit integer, numpy any non-negative one."""
+
+PositiveInt = Annotated[int, Field(ge=1)]
+"""A count or size that must be at least 1 (steps, images, batch size, an image side)."""
+GuidanceScale = Annotated[float, Field(ge=1, allow_inf_nan=False)]
+"""A classifier-free guidance scale: 1 is no guidance (the negative prompt unused); below 1 means nothing."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+"""A seed of torch's and numpy's generators: ``0 … 2**63 - 1``."""
+BOOL_FOR_NUMBER = "expected a number, got a boolean (true/false): write the number"
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a value of ``annotation`` may be: ``Annotated`` and unions (``X | None``) unwrapped."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [member for arg in get_args(annotation) for member in _members(arg)]
+    return [annotation]
+
+
+def bool_for_number(annotation: Any, value: Any) -> bool:
+    """True when ``value`` holds a boolean where ``annotation`` wants a number (int or float) and no boolean:
+    pydantic's lax mode reads ``true`` as 1, so ``batch_size: true`` would be a batch of one. Looks into lists,
+    tuples and dict values; a nested :class:`Section` checks its own fields."""
+    members = _members(annotation)
+    if isinstance(value, bool):
+        return bool not in members and Any not in members and any(m in (int, float) for m in members)
+    for member in members:
+        origin, args = get_origin(member), get_args(member)
+        if isinstance(value, dict) and origin is dict and len(args) == 2:
+            return any(bool_for_number(args[1], item) for item in value.values())
+        if isinstance(value, list | tuple) and origin in (list, tuple, set, frozenset) and args:
+            if origin is tuple and Ellipsis not in args:
+                return len(args) == len(value) and any(map(bool_for_number, args, value))
+            return any(bool_for_number(args[0], item) for item in value)
+    return False
+
+
 class Section(BaseModel):
-    """Base of every config section: immutable, unknown keys rejected. A rejected value is left out of
-    pydantic's own message (it may be a credential); :func:`sdforge.config.parse_params` shows the safe ones.
+    """Base of every config section: immutable, unknown keys rejected, every float finite (``.inf``/``.nan``
+    refused) and no boolean taken for a number (``batch_size: true`` refused, :func:`bool_for_number`). A rejected
+    value is left out of pydantic's own message (it may be a credential); :func:`sdforge.config.parse_params`
+    shows the safe ones.
 
     ``EFFECT`` is what the keys a class declares change (:func:`key_effect`); a field overrides it with
     ``Annotated[<type>, Effect.<...>]``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True, allow_inf_nan=False)
 
     EFFECT: ClassVar[Effect] = Effect.WEIGHTS
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is not None and bool_for_number(cls.model_fields[info.field_name].annotation, value):
+            raise ValueError(BOOL_FOR_NUMBER)
+        return value
 
 
 RGB = tuple[int, int, int]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from sdforge.config.base import SafeName, Section
+from sdforge.config.base import GuidanceScale, PositiveInt, SafeName, Section, Seed
 
 log = logging.getLogger(__name__)
 
@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 class CategorySampling(Section):
     """Per-category overrides of the eval sampler settings (unset: ``eval.steps`` / ``eval.guidance_scale``)."""
 
-    steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=1)
+    steps: PositiveInt | None = None
+    guidance_scale: GuidanceScale | None = None
 
 
 class Fid(Section):
@@ -31,6 +31,10 @@ class Fid(Section):
     max_reference_images: int = Field(10_000, ge=2)
 
 
+SampleCount = Annotated[int, Field(ge=2)]
+"""Images a FID is computed over (it needs a covariance: at least 2); ``eval.coco.samples`` and ``--samples``."""
+
+
 class CocoProtocol(Section):
     """Zero-shot FID and CLIP score on COCO-2014 validation captions (``sdforge evaluate --protocol coco`` and,
     with ``phase_end_samples``, each phase's ``eval_grid``). docs/EVAL.md pins the protocol."""
@@ -39,16 +43,16 @@ class CocoProtocol(Section):
     """``captions_val2014.json`` (cocodataset.org, ``annotations_trainval2014.zip``); null: the protocol is off."""
     images: str | None = None
     """The ``val2014/`` folder its ``file_name`` entries are relative to (the FID reference images)."""
-    samples: int = Field(30_000, ge=2)
+    samples: SampleCount = 30_000
     """Captions ``sdforge evaluate --protocol coco`` samples by default (FID-30k)."""
     phase_end_samples: int = Field(0, ge=0)
     """Captions each phase's ``eval_grid`` also evaluates (full scale: 5,000, FID-5k); 0: not at phase end."""
-    seed: int = 2014
+    seed: Seed = 2014
     """Picks the images and one caption of each (the same in every phase); image ``i`` is sampled with seed
     ``seed + i``."""
-    steps: int | None = Field(None, ge=1)
+    steps: PositiveInt | None = None
     """Sampler steps (null: ``eval.steps``)."""
-    guidance_scale: float | None = Field(None, ge=1)
+    guidance_scale: GuidanceScale | None = None
     """CFG scale (null: ``eval.guidance_scale``)."""
     reference_size: int | None = Field(None, ge=16)
     """Side of the square the reference images are centre-cropped and resized (PIL bicubic) to; null: the
@@ -71,14 +75,14 @@ class Eval(Section):
     prompts: dict[SafeName, list[str]]
     """category → prompts. A plain list is one category, ``all`` (the demo's colour/shape probe prompts)."""
     negative_prompt: str = ""
-    steps: int = Field(100, ge=1)
-    guidance_scale: float = Field(7.5, ge=1)
+    steps: PositiveInt = 100
+    guidance_scale: GuidanceScale = 7.5
     sampling: dict[SafeName, CategorySampling] = {}
     """category → steps / guidance_scale for that category (others use the two values above)."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Prompt ``i`` of a category is sampled with seed ``seed + i``, in every phase."""
     columns: int = Field(4, ge=1)
-    batch_size: int = Field(8, ge=1)
+    batch_size: PositiveInt = 8
     clip_model_path: str | None = None
     """Local folder of a transformers ``CLIPModel`` + processor (e.g. openai/clip-vit-large-patch14
     saved with ``save_pretrained``); null: the one ``models.eval_clip`` has ``prepare_models`` save, else CLIP

@@ -13,7 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
-from model.sampler import decode_to_uint8, encode_prompts, latent_shape_for, sample_latents, sampling_scheduler
+from model.sampler import (
+    decode_to_uint8,
+    encode_prompts,
+    latent_shape_for,
+    sample_latents,
+    sampling_scheduler,
+    trained_image_side,
+)
 from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
@@ -65,6 +72,12 @@ def max_steps(pipe: Pipeline) -> int | None:
     if pipe.distill and pipe.objective == "diffusion":
         return int(pipe.distill["num_ddim_timesteps"])
     return None
+
+
+def trained_side(pipe: Pipeline) -> int:
+    """The image side in px the UNet was trained at: its sample size × the VAE's downsampling (``sdforge generate``
+    bounds ``--width``/``--height`` by it, :data:`sdforge.config.arguments.MAX_SIZE_FACTOR`)."""
+    return trained_image_side(pipe.unet, pipe.vae)
 
 
 def checkpoint_hash(*weights_dirs: Path) -> str:
