@@ -40,7 +40,9 @@ def token_counter(models_dir: Path):
     from transformers import CLIPTokenizer  # lazy: ~1-2 s to import, and most sources are not captioned (no rec)
 
     tokenizer = CLIPTokenizer.from_pretrained(models_dir / "tokenizer")
-    return lambda text: len(tokenizer(text, truncation=False).input_ids)
+    # the whole length is the point here (the report's distribution); verbose=False: no "longer than the
+    # maximum sequence length" warning, which is about feeding the ids to the model, as this never does
+    return lambda text: len(tokenizer(text, truncation=False, verbose=False).input_ids)
 
 
 def captioning(

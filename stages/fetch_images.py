@@ -49,7 +49,7 @@ from sdforge.config import Params, Source
 from sdforge.demo.http_server import serve_directory
 from sdforge.ingest import reshard, shards, sources, url_guard
 from sdforge.ingest.fetch_state import archive_listing, fingerprint, prepare_out_dir, served_digest
-from sdforge.ingest.url_fetch import fetch_urls
+from sdforge.ingest.url_fetch import check_no_credentials, fetch_urls
 from sdforge.io import InputError, stage_cli
 from sdforge.tracking import log_stage
 
@@ -95,6 +95,8 @@ def run(
         raise InputError(f"{filtered} not found (run filter_metadata first)")
     fetch = source.fetch
     rows = pl.scan_parquet(filtered).select(pl.len()).collect().item()
+    if source.kind == "laion":
+        check_no_credentials(filtered)  # before the output folder is touched
     archives = None if source.kind == "laion" else archive_listing(metadata_dir)
     served = served_digest(serve[0]) if serve and source.kind == "laion" else None  # same URLs, new images
     prepare_out_dir(out_dir, fingerprint(filtered, fetch, archives, served))

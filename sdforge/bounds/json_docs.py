@@ -45,7 +45,10 @@ class JsonLimitError(ValueError):
 
 def loads(data: bytes | str, limits: InputLimits) -> Any:
     """``data`` parsed as one JSON document within ``limits``; :class:`JsonLimitError` over one, ``ValueError``
-    (``json.JSONDecodeError``, ``UnicodeDecodeError``) when it is not JSON."""
+    (``json.JSONDecodeError``, ``UnicodeDecodeError``) when it is not JSON. A leading UTF-8 BOM is skipped (the
+    parser does so for bytes, not for text), as :mod:`sdforge.bounds.captions` skips it."""
+    if isinstance(data, str):
+        data = data.removeprefix("\ufeff")
     size = len(data)
     if size > limits.json_max_bytes:
         raise JsonLimitError(TOO_LARGE, f"JSON document of {size:,} bytes", limits)

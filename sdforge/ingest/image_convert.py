@@ -3,6 +3,12 @@
 Decoding (header size checked before any pixel, every pixel format to 8-bit RGB) is
 :func:`sdforge.ingest.sources.images.decode_rgb`; the size, resize mode and quality are ``fetch``'s.
 
+One decode policy for every fetch path: the local kinds' re-shard calls :func:`convert`, and the URL fetch hands
+img2dataset a :class:`SampleResizer`, which calls it on the downloaded bytes in place of img2dataset's own OpenCV
+decode. So the same file gets the same pixels, status, message and ``original_width/height`` either way: EXIF
+orientation applied (the original size is the size as displayed, after it), float/HDR and other formats PIL
+does not read (:data:`~sdforge.bounds.images.SAFE_FORMATS`) refused ``failed_to_resize``, 16-bit scaled to 8.
+
 Bounds. ``fetch.max_image_pixels`` limits the *source* image (its header, before decoding) and also the
 *resized* one, computed before :func:`resize` allocates it (:func:`check_resized`): the image as scaled
 before cropping or padding (:func:`resized_size`), which is what ``cv2.resize`` allocates. For
@@ -129,3 +135,23 @@ def convert(
     if not ok:
         raise ImageRejected("failed_to_resize", "JPEG encoding failed")
     return buf.tobytes(), (out.shape[1], out.shape[0]), original
+
+
+class SampleResizer:
+    """img2dataset's ``Resizer`` interface over :func:`convert`, so URL images are decoded like local ones.
+
+    img2dataset's downloader calls ``resizer(img_stream, blurring_bbox_list)`` and stores the returned
+    ``(jpeg, width, height, original_width, original_height, error)``; a rejection becomes the row's
+    ``failed_to_resize`` with :class:`ImageRejected`'s message. Picklable (it travels to the fetch workers).
+    """
+
+    def __init__(self, fetch: FetchSettings):
+        self.fetch = fetch
+
+    def __call__(self, img_stream, blurring_bbox_list=None):
+        img_stream.seek(0)
+        try:
+            jpeg, (w, h), (orig_w, orig_h) = convert(img_stream.read(), self.fetch)
+        except ImageRejected as err:
+            return None, None, None, None, None, err.message
+        return jpeg, w, h, orig_w, orig_h, None

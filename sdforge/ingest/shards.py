@@ -58,6 +58,8 @@ STATUS_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 ERROR_MESSAGE = "error_message"
 """The shard parquet's column with why a sample failed (free text from img2dataset, urllib, PIL, OpenCV, ...)."""
+MAX_ERROR_CHARS = 1000
+"""Longest ``error_message`` kept (a library's or a server's text; the guard's and the decoder's are shorter)."""
 
 _OBJECT_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+(?=>)")
 """``<_io.BytesIO object at 0x7f3a...>``: an object's repr; the address goes, the type stays."""
@@ -108,12 +110,16 @@ def sanitize_error_message(message: str | None) -> str | None:
     other 64-bit pointers ``<address>``), timestamps (``<time>``), paths in temp folders (``<tmp>/NAME``,
     the file name kept) and the working directory's prefix (paths become repository-relative). The
     rest (error class, errno, HTTP status, URLs with their ports, file names) is kept, and a message
-    that has none of these comes back unchanged. Idempotent; applied to every source kind's shards by
-    :func:`write_parquet_table` and :func:`write_stats`.
+    that has none of these comes back unchanged. It is also made one line (OpenCV's and some servers'
+    messages run to several: whitespace runs become one space) of at most :data:`MAX_ERROR_CHARS`.
+    Idempotent; applied to every source kind's shards by :func:`write_parquet_table` and :func:`write_stats`.
     """
     if message is None:
         return None
-    clean = _OBJECT_ADDRESS.sub(r"\1", message)
+    clean = " ".join(message.split())
+    if len(clean) > MAX_ERROR_CHARS:
+        clean = clean[:MAX_ERROR_CHARS] + "…"
+    clean = _OBJECT_ADDRESS.sub(r"\1", clean)
     clean = _BARE_ADDRESS.sub("<address>", clean)
     clean = _TIMESTAMP.sub("<time>", clean)
     clean = _temp_path_pattern().sub(_temp_path, clean)

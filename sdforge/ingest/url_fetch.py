@@ -15,10 +15,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import polars as pl
 import pyarrow.parquet as pq
 
 from sdforge.config import FetchSettings
-from sdforge.ingest import shards, url_guard
+from sdforge.ingest import shards, url_credentials, url_guard
+from sdforge.ingest.image_convert import SampleResizer
+from sdforge.io import InputError
 
 # albumentations (imported by img2dataset) otherwise asks the package index for updates
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -49,7 +52,8 @@ def fetch_urls(filtered: Path, out_dir: Path, fetch: FetchSettings, rows: int) -
     """Fetch the ``url``/``caption`` rows of ``filtered`` into webdataset shards in ``out_dir``.
 
     Only the shards ``out_dir`` does not hold finished yet are fetched (img2dataset's incremental
-    mode), through :class:`sdforge.ingest.url_guard.GuardedDownloader`, which canonicalises each shard in
+    mode), through :class:`sdforge.ingest.url_guard.GuardedDownloader`, which decodes every image with
+    :class:`~sdforge.ingest.image_convert.SampleResizer` (as the local kinds are) and canonicalises each shard in
     its worker as soon as it is finished; a last pass canonicalises any shard left raw (a kill
     between img2dataset's stats and that step, or a failure there).
     Raises :class:`FetchIncomplete` when img2dataset gave up on a shard.
@@ -60,7 +64,8 @@ def fetch_urls(filtered: Path, out_dir: Path, fetch: FetchSettings, rows: int) -
     start = time.perf_counter()
     if expected - set(shards.finished_shards(out_dir)):
         canonicalize = functools.partial(shards.canonicalize_shard, str(out_dir.resolve()), final=False)
-        guard = url_guard.guarded_img2dataset(fetch.allow_networks, fetch.max_image_pixels, after_shard=canonicalize)
+        resizer = SampleResizer(fetch)  # decodes like the local kinds' re-shard (one decode policy)
+        guard = url_guard.guarded_img2dataset(fetch.allow_networks, resizer, after_shard=canonicalize)
         with guard, _interrupts_stay_interrupts():
             download(
                 url_list=str(filtered),
@@ -78,7 +83,6 @@ def fetch_urls(filtered: Path, out_dir: Path, fetch: FetchSettings, rows: int) -
                 number_sample_per_shard=fetch.shard_size,
                 distributor=fetch.distributor,
                 encode_quality=fetch.encode_quality,
-                max_image_area=fetch.max_image_pixels,
                 user_agent_token=fetch.user_agent_token,
                 incremental_mode="incremental",
                 enable_wandb=False,
@@ -97,6 +101,18 @@ def fetch_urls(filtered: Path, out_dir: Path, fetch: FetchSettings, rows: int) -
         fetched - start,
         time.perf_counter() - fetched,
     )
+
+
+def check_no_credentials(filtered: Path) -> None:
+    """:class:`InputError` when a URL of ``filtered`` still carries credentials: img2dataset would store it as it is
+    in every shard (the filter stores them redacted, :mod:`sdforge.ingest.url_credentials`)."""
+    url = pl.col("url").cast(pl.String)
+    found = pl.scan_parquet(filtered).select((url_credentials.redacted(url) != url).sum()).collect().item() or 0
+    if found:
+        raise InputError(
+            f"{filtered}: {found} URL(s) carry credentials (scheme://user:secret@host), which the shards would "
+            "store; run filter_metadata again (it stores them redacted)"
+        )
 
 
 def check_guard_ran(out_dir: Path) -> None:

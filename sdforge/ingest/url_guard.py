@@ -25,18 +25,13 @@ Where it runs: img2dataset downloads in worker processes that it starts with *sp
 pyspark/ray executors). :class:`GuardedDownloader` subclasses img2dataset's ``Downloader``; its
 ``__call__`` (the per-shard entry point, run in the worker) first calls :func:`install`, which
 installs the guarded opener as urllib's global opener and puts the scheme check in front of
-img2dataset's ``download_image``. :func:`guarded_img2dataset` substitutes the class for the one
+img2dataset's ``download_image``, which then requests the URL without userinfo (credentials in a URL are never
+sent: :mod:`sdforge.ingest.url_credentials`). :func:`guarded_img2dataset` substitutes the class for the one
 ``img2dataset.main`` constructs, so the pickled downloader brings this module into every worker.
 
-The same install makes 16-bit images (16-bit PNG/TIFF) come out right: img2dataset decodes with
-``IMREAD_UNCHANGED`` and would saturate 16-bit samples to 255 when re-encoding as 8-bit JPEG, so
-the resizer's ``cv2.imdecode`` is wrapped to scale them to 8 bits first.
-
-Decompression bombs: OpenCV refuses an image over ``OPENCV_IO_MAX_IMAGE_PIXELS`` after reading its
-header, before decoding it, but reads the variable once, when cv2 is imported (at unpickling, in a
-worker). :func:`guarded_img2dataset` therefore sets it in the parent's environment, which spawned
-workers inherit; a worker whose environment lacks it (executors started elsewhere) warns once, and
-img2dataset's ``max_image_area`` (checked after decoding) still applies.
+The downloader also carries the stage's resizer (:class:`sdforge.ingest.image_convert.SampleResizer`) in place
+of img2dataset's: the downloaded bytes are decoded by the same code as a local folder's images (header size
+checked before any pixel, EXIF orientation, 16-bit, float/HDR refused), not by img2dataset's OpenCV decode.
 
 Refusals are ordinary failed samples (status ``failed_to_download``, the message in
 ``error_message``); :func:`failure_reason` maps any error message to a metrics key.
@@ -58,13 +53,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-import numpy as np
 from img2dataset.downloader import Downloader
+
+from sdforge.ingest.url_credentials import without_userinfo
 
 REFUSED_SCHEME = "url_guard: refused scheme"
 REFUSED_ADDRESS = "url_guard: refused address"
 ALLOWED_SCHEMES = frozenset({"http", "https"})
-PIXELS_ENV = "OPENCV_IO_MAX_IMAGE_PIXELS"
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
@@ -283,40 +278,16 @@ def build_opener(policy: GuardPolicy) -> urllib.request.OpenerDirector:
     return opener
 
 
-class _EightBitDecode:
-    """``cv2`` as img2dataset's resizer sees it, except that ``imdecode`` scales 16-bit images to 8 bits."""
-
-    def __init__(self, cv2: Any) -> None:
-        self._cv2 = cv2
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._cv2, name)
-
-    def imdecode(self, buf: Any, flags: int) -> Any:
-        img = self._cv2.imdecode(buf, flags)
-        if img is not None and img.dtype == np.uint16:
-            img = ((img.astype(np.uint32) + 128) // 257).astype(np.uint8)
-        return img
-
-
 _installed: GuardPolicy | None = None
-_warned_pixels = False
 
 
-def install(policy: GuardPolicy, max_image_pixels: int | None = None) -> None:
-    """Install the guard in this process (idempotent): urllib's opener, the scheme check, 16-bit decoding."""
-    global _installed, _warned_pixels
-    if max_image_pixels is not None and os.environ.get(PIXELS_ENV) != str(max_image_pixels) and not _warned_pixels:
-        _warned_pixels = True
-        print(
-            f"url_guard: {PIXELS_ENV} is {os.environ.get(PIXELS_ENV)!r} in worker {os.getpid()}, not "
-            f"{max_image_pixels}: images are checked against max_image_area only after decoding"
-        )
+def install(policy: GuardPolicy) -> None:
+    """Install the guard in this process (idempotent): urllib's opener and the scheme check."""
+    global _installed
     if _installed == policy:
         return
     # lazy: img2dataset pulls albumentations/wandb (~2 s); only URL sources patch it
     import img2dataset.downloader as i2d_downloader
-    import img2dataset.resizer as i2d_resizer
 
     urllib.request.install_opener(build_opener(policy))
     original = getattr(i2d_downloader.download_image, "__wrapped__", i2d_downloader.download_image)
@@ -327,37 +298,40 @@ def install(policy: GuardPolicy, max_image_pixels: int | None = None) -> None:
         refusal = scheme_refusal(url)
         if refusal is not None:
             return key, None, refusal
+        # a URL's credentials are never sent (the filter stores them redacted: ``http://***@host/``)
+        row = key, without_userinfo(url)
         return original(row, timeout, user_agent_token, disallowed_header_directives)
 
     i2d_downloader.download_image = download_image
-    if not isinstance(i2d_resizer.cv2, _EightBitDecode):
-        i2d_resizer.cv2 = _EightBitDecode(i2d_resizer.cv2)
     _installed = policy
 
 
 class GuardedDownloader(Downloader):
     """img2dataset's ``Downloader`` that installs the guard in the worker before fetching a shard.
 
-    ``after_shard(shard_id)``, when given (a picklable callable), runs in the worker after each
-    shard that img2dataset finished (the fetch stage canonicalises the shard there, in parallel
-    with the other workers' downloads); if it fails, the shard is left as img2dataset wrote it.
+    ``sample_resizer``, when given, replaces the ``resizer`` img2dataset built (same call and return values;
+    the fetch stage's :class:`~sdforge.ingest.image_convert.SampleResizer`). ``after_shard(shard_id)``, when
+    given (a picklable callable), runs in the worker after each shard that img2dataset finished (the fetch
+    stage canonicalises the shard there, in parallel with the other workers' downloads); if it fails, the
+    shard is left as img2dataset wrote it.
     """
 
     def __init__(
         self,
         *args: Any,
         guard: GuardPolicy,
-        max_image_pixels: int | None = None,
+        sample_resizer: Callable[..., tuple] | None = None,
         after_shard: Callable[[int], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.guard = guard
-        self.max_image_pixels = max_image_pixels
+        if sample_resizer is not None:
+            self.resizer = sample_resizer
         self.after_shard = after_shard
 
     def __call__(self, row: Any) -> Any:
-        install(self.guard, self.max_image_pixels)
+        install(self.guard)
         ok, row = super().__call__(row)
         if ok and self.after_shard is not None:
             try:
@@ -369,27 +343,26 @@ class GuardedDownloader(Downloader):
 
 @contextlib.contextmanager
 def guarded_img2dataset(
-    allow_networks: Iterable[str], max_image_pixels: int, after_shard: Callable[[int], None] | None = None
+    allow_networks: Iterable[str],
+    sample_resizer: Callable[..., tuple] | None = None,
+    after_shard: Callable[[int], None] | None = None,
 ) -> Iterator[GuardPolicy]:
-    """Within the block, ``img2dataset.download`` fetches through :class:`GuardedDownloader`.
-
-    Also sets ``OPENCV_IO_MAX_IMAGE_PIXELS`` (inherited by the workers it spawns); both are restored on exit.
-    """
+    """Within the block, ``img2dataset.download`` fetches through :class:`GuardedDownloader` (with
+    ``sample_resizer`` in place of img2dataset's own); restored on exit."""
     i2d_main = importlib.import_module("img2dataset.main")  # ``img2dataset.main`` the attribute is a function
     policy = GuardPolicy(tuple(allow_networks))
-    saved_class, saved_env = i2d_main.Downloader, os.environ.get(PIXELS_ENV)
+    saved_class = i2d_main.Downloader
     i2d_main.Downloader = functools.partial(
-        GuardedDownloader, guard=policy, max_image_pixels=max_image_pixels, after_shard=after_shard
+        GuardedDownloader, guard=policy, sample_resizer=sample_resizer, after_shard=after_shard
     )
-    os.environ[PIXELS_ENV] = str(max_image_pixels)
     try:
         yield policy
     finally:
         i2d_main.Downloader = saved_class
-        if saved_env is None:
-            os.environ.pop(PIXELS_ENV, None)
-        else:
-            os.environ[PIXELS_ENV] = saved_env
+
+
+_DECODE_FAILURES = ("not a readable image", "image decoding failed", "decoding failed")
+"""How :func:`sdforge.ingest.image_convert.convert`'s messages for unreadable image bytes begin."""
 
 
 def failure_reason(message: str | None) -> str:
@@ -403,6 +376,11 @@ def failure_reason(message: str | None) -> str:
         return "error_http"
     if "X-Robots-Tag" in m:
         return "error_robots"
+    # the decode policy's messages (sdforge.ingest.image_convert), then img2dataset's own (shards it decoded)
+    if "fetch.max_image_pixels" in m or "a side over JPEG" in m:
+        return "error_too_many_pixels"
+    if m in ("zero-byte file", "image has no pixels") or m.startswith(_DECODE_FAILURES):
+        return "error_decode"
     if "CV_IO_MAX_IMAGE_" in m or m == "image area too large":
         return "error_too_many_pixels"
     if m == "Image decoding error" or "OpenCV(" in m:

@@ -342,7 +342,10 @@ class Tokens:
             if len(self.cache) + len(new) > self.cache_size:
                 self.cache.clear()
             tok = self.tokenizer
-            for caption, ids in zip(new, tok(new, truncation=False).input_ids, strict=True):
+            # one token over the model's length is enough to tell a cut caption, and the tokenizer warns
+            # ("sequence length is longer ... indexing errors") when asked for more than its length unbounded
+            encoded = tok(new, truncation=True, max_length=self.max_len + 1).input_ids
+            for caption, ids in zip(new, encoded, strict=True):
                 cut = len(ids) > self.max_len
                 ids = [*ids[: self.max_len - 1], tok.eos_token_id] if cut else ids
                 row = np.array(ids + [tok.pad_token_id] * (self.max_len - len(ids)), dtype=np.int32)

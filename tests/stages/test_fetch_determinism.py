@@ -185,7 +185,7 @@ def test_canonicalize_folder_sanitises_every_error_message(tmp_path):
         None,
         "HTTP Error 404: File not found",
         "<urlopen error [Errno 111] Connection refused>",
-        "OpenCV(5.0.0) /io/opencv/modules/imgcodecs/src/loadsave.cpp:1291: error: (-215:Assertion failed)\n",
+        "OpenCV(5.0.0) /io/opencv/modules/imgcodecs/src/loadsave.cpp:1291: error: (-215:Assertion failed)",
         "refused scheme 'file' (only http and https are fetched) in a redirect from http://127.0.0.1:34991/tmp/x",
         "bad CRC 0xdeadbeef at byte 0xff",
         "file:///tmp/secret.jpg",
@@ -193,6 +193,21 @@ def test_canonicalize_folder_sanitises_every_error_message(tmp_path):
 )
 def test_deterministic_messages_are_left_as_they_are(message):
     assert shards.sanitize_error_message(message) == message
+
+
+def test_error_messages_become_one_bounded_line():
+    """OpenCV's assertion text for a 0-byte image (what img2dataset stored) and a server's multi-line reason."""
+    opencv = (
+        "OpenCV(4.10.0) /io/opencv/modules/imgcodecs/src/loadsave.cpp:1019: error: (-215:Assertion failed) "
+        "!buf.empty() in function 'imdecode_'\n\n"
+    )
+    assert shards.sanitize_error_message(opencv) == opencv.strip()
+    assert shards.sanitize_error_message("HTTP Error 500: boom\r\n  at line 2\tand 3") == (
+        "HTTP Error 500: boom at line 2 and 3"
+    )
+    long = shards.sanitize_error_message("x " * 5000)
+    assert len(long) == shards.MAX_ERROR_CHARS + 1 and long.endswith("…") and "\n" not in long
+    assert shards.sanitize_error_message(long) == long
 
 
 def test_sanitize_error_message_is_idempotent():

@@ -281,7 +281,9 @@ def test_hostile_inputs_are_counted_skips_and_write_nothing_outside_out_dir(tmp_
     assert hits["/to-metadata"] == hits["/to-file"] == hits["/bomb.png"] == 1
     table = pl.read_parquet(out / "00000.parquet")
     by_caption = {row["caption"]: row for row in table.to_dicts()}
-    assert "CV_IO_MAX_IMAGE_PIXELS" in by_caption["bomb.png"]["error_message"]  # refused from its header
+    assert by_caption["bomb.png"]["error_message"] == (  # refused from its header (never decoded)
+        "12000x8000 = 96000000 pixels > fetch.max_image_pixels 89478485"
+    )
     assert by_caption["404"]["error_message"] == "HTTP Error 404: File not found"
     assert by_caption["500"]["error_message"].startswith("HTTP Error 500")
     for caption in ("file", "local image", "ftp", "data", "gopher", "no scheme", "redirect file"):

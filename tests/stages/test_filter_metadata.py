@@ -72,6 +72,7 @@ def test_demo_drop_counts_equal_the_injected_rows(demo_params, run_until, tree_d
         "dropped_duplicate_hash": made["duplicate_hash_rows"],
         "rows_out": demo.laion_rows + demo.missing_rows,
         "captions_truncated": 0,
+        "urls_credentials_redacted": 0,
     }
     out = Path(demo_params.paths.filtered) / "laion"
     df = pl.read_parquet(out / "filtered.parquet")

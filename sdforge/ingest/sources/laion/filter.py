@@ -12,8 +12,10 @@ Bad values. A rule fails a value that is null, NaN or ±inf, and a negative one 
 aesthetic score or CLIP similarity is negative in real metadata; a negative
 ``pwatermark``/``punsafe`` is not a probability, so it is treated as corrupt, not as "certainly
 clean"). A column of the wrong type is cast per file, non-strictly: ``"512"`` is 512, ``"abc"`` is
-null (fails its rule). Captions are kept as they are (empty or long). A file that is not parquet, or
-lacks a column a rule needs, is an :class:`InputError` naming the file (and the column).
+null (fails its rule). Captions are kept as they are (empty or long). A URL's userinfo
+(``http://user:secret@host/``) is stored as ``***`` and counted in ``urls_credentials_redacted``
+(:mod:`sdforge.ingest.url_credentials`). A file that is not parquet, or lacks a column a rule needs, is an
+:class:`InputError` naming the file (and the column).
 
 Memory. Three streaming passes over the input, none of which holds it: (1) the rule columns only →
 ``group_by(first failed rule, aesthetic bin, similarity bin).len()`` (the counts, the "before"
@@ -41,10 +43,11 @@ from typing import Any
 import polars as pl
 
 from sdforge.config import Columns, FilterRules
+from sdforge.ingest import url_credentials
 from sdforge.ingest.sources.laion.dedup import dedup_mask
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_bin
 from sdforge.ingest.sources.rows import TRUNCATED_COLUMN
-from sdforge.io import InputError
+from sdforge.io import InputError, naming_write_faults
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +134,16 @@ class LaionFile:
 
         Filtering on the raw columns lets polars push the predicate into the parquet reader, which
         then materialises the other columns (URL, caption) only for the rows that pass.
+
+        ``with_columns`` then ``select``, not ``select`` alone: a column absent from the file is a literal,
+        and a ``select`` of literals only is ONE row whatever the file holds; ``with_columns`` keeps the
+        file's row count (polars then reads one real column to know it), for any subset of columns.
         """
+        names = names or list(self.cols)
         lf = pl.scan_parquet(self.path)
         if where is not None:
             lf = lf.filter(where)
-        return lf.select([self.cols[name].alias(name) for name in names or self.cols])
+        return lf.with_columns([self.cols[name].alias(name) for name in names]).select(names)
 
 
 def laion_files(files: list[Path], columns: Columns, rules: FilterRules) -> list[LaionFile]:
@@ -165,7 +173,7 @@ def laion_files(files: list[Path], columns: Columns, rules: FilterRules) -> list
             else:
                 expr = expr.cast(hash_dtype, strict=False)
             cols[norm] = expr
-        cols["url"] = cols["url"].str.strip_chars()
+        cols["url"] = url_credentials.redacted(cols["url"].str.strip_chars())  # no secret stored (nor deduped on)
         out.append(LaionFile(path, cols))
     return out
 
@@ -263,7 +271,8 @@ def filter_laion(
             rows = mask.with_row_index("_i").filter("_keep")["_i"]
             out = out.with_row_index("_i").filter(pl.col("_i").is_in(rows.implode())).drop("_i")
         sink = dict(compression="zstd", compression_level=OUTPUT_ZSTD_LEVEL, maintain_order=True, engine="streaming")
-        _run(lambda: out.sink_parquet(out_file, **sink), paths)
+        with naming_write_faults(out_file, "the filtered metadata", setting="paths.filtered"):
+            _run(lambda: out.sink_parquet(out_file, **sink), paths)
 
     by_reason = dict(binned.group_by("_reason").agg(pl.col("len").sum()).iter_rows())
     if mask.height != by_reason.get(0, 0):
@@ -275,6 +284,9 @@ def filter_laion(
     metrics["rows_out"] = n_out
     metrics["captions_truncated"] = int(
         pl.scan_parquet(out_file).select(pl.col(TRUNCATED_COLUMN).sum()).collect().item() or 0
+    )
+    metrics["urls_credentials_redacted"] = int(
+        pl.scan_parquet(out_file).select(url_credentials.is_redacted(pl.col("url")).sum()).collect().item() or 0
     )
     hist = Histograms(before=Histograms.count(binned, "len"), after=Histograms.count(mask.filter("_keep")))
     return metrics, hist

@@ -181,3 +181,33 @@ def test_a_lying_png_header_is_dropped_before_its_pixels_are_decoded(tmp_path):
     filtered, fetched, out = run_source(source, "local", tmp_path / "work")
     assert (filtered["rows_in"], filtered["dropped_unreadable"], filtered["rows_out"]) == (2, 1, 1)
     assert list(samples_by_member(out)) == ["good.jpg"]
+
+
+def test_a_utf8_bom_is_stripped_from_txt_and_json_side_files_alike(tmp_path):
+    """Notepad writes a BOM before UTF-8 text: the ``.txt`` caption must not start with U+FEFF, the ``.json`` must
+    not be dropped as ``bad_caption``; a BOM inside the text is the caption's own and stays."""
+    from sdforge.config import LocalOptions
+    from sdforge.ingest.sources.local import caption_of
+
+    bom = b"\xef\xbb\xbf"
+    write_files(
+        tmp_path,
+        {
+            "a.jpg": b"",
+            "a.txt": bom + b"  a red square\n",
+            "b.jpg": b"",
+            "b.json": bom + json.dumps({"tags": ["red", "square"], "score": 1}).encode(),
+            "c.jpg": b"",
+            "c.txt": bom + "a \ufeffword".encode(),
+        },
+    )
+    assert caption_of("a.jpg", tmp_path / "a.jpg", LocalOptions(mode="txt"), max_caption_chars=4096) == (
+        "a red square",
+        {},
+        False,
+    )
+    assert caption_of("a.jpg", tmp_path / "a.jpg", LocalOptions(mode="txt"))[0] == "a red square"  # unbounded read
+    caption, meta, _ = caption_of("b.jpg", tmp_path / "b.jpg", LocalOptions(mode="json"))
+    assert caption == "red, square" and meta["tags"] == ["red", "square"]
+    inner = caption_of("c.jpg", tmp_path / "c.jpg", LocalOptions(mode="txt"), max_caption_chars=4096)[0]
+    assert inner == "a \ufeffword"
