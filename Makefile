@@ -68,12 +68,13 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # The pipeline runs in its own session; Ctrl-C / TERM is forwarded to the whole group
-# (a killed `dvc` alone would orphan the running stage).
+# (a killed `dvc` alone would orphan the running stage). HF_HUB_DISABLE_PROGRESS_BARS: transformers draws a
+# "Loading weights" bar for every local model it loads (14 in a demo run); the demo downloads nothing.
 demo: venv
 	@[ -d .dvc ] || dvc init -q
 	@$(PY) -m tools.check_params params.yaml   # before DVC parses it (docs/INPUTS.md)
 	@start=$$(date +%s); \
-	setsid dvc repro & pid=$$!; \
+	HF_HUB_DISABLE_PROGRESS_BARS=1 setsid dvc repro & pid=$$!; \
 	trap 'echo "stopping pipeline (process group $$pid)"; kill -TERM -- -$$pid 2>/dev/null; wait $$pid' INT TERM; \
 	wait $$pid; rc=$$?; trap - INT TERM; \
 	echo "pipeline wall time: $$(( $$(date +%s) - start )) s (dvc repro exit $$rc)"; \

@@ -3,3 +3,7 @@
 
 Built on ``model/`` (pure torch); used by ``stages/`` (the DVC stages). See ``docs/ARCHITECTURE.md``.
 """
+
+from sdforge.library_logs import silence_known_messages
+
+silence_known_messages()  # before any third-party import can log them (sdforge/library_logs.py)

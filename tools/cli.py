@@ -12,28 +12,32 @@ import logging
 import sys
 from pathlib import Path
 
-from PIL import Image, PngImagePlugin
-
-from model.sampler import latent_shape_for
+# Only argparse, the typed config and sdforge.io at the top: `sdforge --help` and a refused flag answer in well
+# under a second. Each command imports what it runs (torch, diffusers, MLflow: ~8 s and ~600 MB) inside itself.
 from sdforge.config import ConfigError, load_params
-from sdforge.eval.coco import run_protocol
-from sdforge.eval.export import export_pipeline, register
-from sdforge.eval.sampling import few_step_settings, generate, load_pipeline, max_steps
+from sdforge.config.arguments import (
+    MAX_SIZE_FACTOR,
+    EvaluateArguments,
+    GenerateArguments,
+    RunsArguments,
+    check_arguments,
+    check_image_size,
+)
 from sdforge.io import InputError, setup_logging, write_json
-from sdforge.tracking import flush_spool
-from sdforge.training.run_dir import STALE_NOTE, remove_stale, stale_runs
-from stages import report as report_stage
-from stages.report import REPORT
-from tools.check_params import check as check_params
-from tools.preflight import add_arguments as add_preflight_arguments
-from tools.preflight import preflight
 
 log = logging.getLogger("sdforge")
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """``sdforge generate``: the flags are validated (:class:`GenerateArguments`, one line naming a bad one) before
+    any model is loaded; the image size against the loaded model (:func:`check_image_size`) before sampling."""
+    flags = check_arguments(GenerateArguments, args)
     params = load_params(args.params)
     checkpoint = _checkpoint(args, params)
+    # lazy, as every command's own imports here: torch, diffusers (see the imports at the top)
+    from model.sampler import latent_shape_for
+    from sdforge.eval.sampling import generate, load_pipeline, max_steps, trained_side
+
     if args.category is not None and args.category not in params.eval.prompts:
         log.error("--category %s: not an eval category %s", args.category, list(params.eval.prompts))
         return 2
@@ -41,10 +45,11 @@ def _generate(args: argparse.Namespace) -> int:
         Path(params.paths.models), checkpoint, use_ema=not args.live, device=args.device, fuse_adapter=args.fuse_lora
     )
     default_steps, default_guidance = _sampling_defaults(args, params, pipe)
-    steps = args.steps or default_steps
-    guidance = args.guidance if args.guidance is not None else default_guidance
+    steps = flags.steps or default_steps
+    guidance = flags.guidance if flags.guidance is not None else default_guidance
+    check_image_size(flags.width, flags.height, trained_side(pipe))
     try:
-        latent_shape_for(pipe.unet, pipe.vae, width=args.width, height=args.height)
+        latent_shape_for(pipe.unet, pipe.vae, width=flags.width, height=flags.height)
     except ValueError as err:
         log.error("--width/--height: %s", err)
         return 2
@@ -54,8 +59,9 @@ def _generate(args: argparse.Namespace) -> int:
             "--steps %d: this distilled phase samples at most %d steps (distill.num_ddim_timesteps)", steps, limit
         )
         return 2
-    prompts = [p for p in args.prompt for _ in range(args.num_images)]
-    seeds = [args.seed + i for i in range(len(prompts))]
+    prompts = [p for p in flags.prompt for _ in range(flags.num_images)]
+    seeds = flags.seeds
+    _refuse_foreign_files(_png_paths(flags.out, seeds))
     images = generate(
         pipe,
         prompts,
@@ -63,35 +69,67 @@ def _generate(args: argparse.Namespace) -> int:
         steps=steps,
         guidance_scale=guidance,
         seeds=seeds,
-        batch_size=args.batch_size,
-        width=args.width,
-        height=args.height,
+        batch_size=flags.batch_size,
+        width=flags.width,
+        height=flags.height,
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for i, (img, prompt, seed) in enumerate(zip(images, prompts, seeds, strict=True)):
-        info = PngImagePlugin.PngInfo()
-        meta = {
-            "prompt": prompt,
-            "negative_prompt": args.negative,
-            "seed": seed,
-            "steps": steps,
-            "guidance_scale": guidance,
-            "checkpoint": str(checkpoint),
-            "checkpoint_hash": pipe.checkpoint_hash,
-            "weights": "live" if args.live else "ema",
-        }
-        for k, v in meta.items():
-            info.add_text(f"sdforge:{k}", str(v))
-        path = out / f"{i:03d}-seed{seed}.png"
-        Image.fromarray(img).save(path, pnginfo=info)
+    meta = {
+        "negative_prompt": args.negative,
+        "steps": steps,
+        "guidance_scale": guidance,
+        "checkpoint": str(checkpoint),
+        "checkpoint_hash": pipe.checkpoint_hash,
+        "weights": "live" if args.live else "ema",
+    }
+    for path in _write_pngs(flags.out, images, prompts, seeds, meta):
         print(path)
     return 0
+
+
+def _write_pngs(out: Path, images, prompts: list[str], seeds: list[int], meta: dict) -> list[Path]:
+    """Each image as ``out/NNN-seedS.png`` with its prompt, seed and ``meta`` in ``sdforge:*`` text chunks."""
+    from PIL import Image, PngImagePlugin  # lazy: only generate writes images
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = _png_paths(out, seeds)
+    for img, prompt, seed, path in zip(images, prompts, seeds, paths, strict=True):
+        info = PngImagePlugin.PngInfo()
+        chunks = {"prompt": prompt, "negative_prompt": meta["negative_prompt"], "seed": seed, **meta}  # their order
+        for k, v in chunks.items():
+            info.add_text(f"sdforge:{k}", str(v))
+        Image.fromarray(img).save(path, pnginfo=info)
+    return paths
+
+
+def _png_paths(out: Path, seeds: list[int]) -> list[Path]:
+    """Where image ``i`` goes: ``out/NNN-seedS.png``."""
+    return [out / f"{i:03d}-seed{seed}.png" for i, seed in enumerate(seeds)]
+
+
+def _refuse_foreign_files(paths: list[Path]) -> None:
+    """An :class:`InputError` when one of ``paths`` exists and is not an image ``sdforge generate`` wrote (a PNG
+    with its ``sdforge:prompt`` chunk): generate replaces its own earlier images, never a user's file."""
+    from PIL import Image, UnidentifiedImageError  # lazy: only generate writes images
+
+    for path in paths:
+        if not path.exists() and not path.is_symlink():
+            continue
+        try:
+            with Image.open(path) as img:
+                ours = path.is_file() and not path.is_symlink() and "sdforge:prompt" in getattr(img, "text", {})
+        except (OSError, UnidentifiedImageError):
+            ours = False
+        if not ours:
+            raise InputError(
+                f"{path}: exists and is not an image sdforge generate wrote; pick another --out (nothing written)"
+            )
 
 
 def _sampling_defaults(args: argparse.Namespace, params, pipe) -> tuple[int, float]:
     """Steps and guidance when ``--steps`` / ``--guidance`` are not given: a distilled phase's few-step settings
     (``distill.sampling_steps``, 1.0), else ``--category``'s, else ``eval.steps`` / ``eval.guidance_scale``."""
+    from sdforge.eval.sampling import few_step_settings  # lazy: torch (imported already by _generate)
+
     few = few_step_settings(pipe)
     if few is not None:
         return few
@@ -104,24 +142,33 @@ def _checkpoint(args: argparse.Namespace, params) -> Path:
 
 
 def _export(args: argparse.Namespace) -> int:
+    """``sdforge export``: refuse an ``--out`` in the workspace's folders (or one that contains it) before loading
+    anything; the export itself refuses a non-empty ``--out`` that is not a previous export (docs/EVAL.md)."""
     params = load_params(args.params)
+    checkpoint, out = _checkpoint(args, params), Path(args.out)
+    from sdforge.eval.export import EXPORT_MARKER, check_workspace_target, export_pipeline, register  # lazy: diffusers
+
+    check_workspace_target(out, params, Path(args.params), checkpoint)
     metrics = export_pipeline(
-        Path(params.paths.models), _checkpoint(args, params), Path(args.out), not args.live, keep_lora=args.lora_file
+        Path(params.paths.models), checkpoint, out, not args.live, keep_lora=args.lora_file, overwrite=args.overwrite
     )
     if args.mlflow_register:
-        metrics.update(register(Path(args.out), args.mlflow_register, params.tracking, metrics))
-    write_json(Path(args.out) / "sdforge_export.json", metrics)
+        metrics.update(register(out, args.mlflow_register, params.tracking, metrics))
+        write_json(out / EXPORT_MARKER, metrics)  # the export's own marker, now with the model version
     print(args.out)
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     """``sdforge evaluate --protocol coco``: FID and CLIP score on COCO-2014 val captions (docs/EVAL.md)."""
+    flags = check_arguments(EvaluateArguments, args)
     params = load_params(args.params)
-    phase = args.phase or params.phase_names()[-1]
+    phase = flags.phase or params.phase_names()[-1]
     checkpoint = Path(args.checkpoint or Path(params.paths.checkpoints) / phase)
-    samples = args.samples or params.eval.coco.samples
-    out = Path(args.out or Path(params.paths.evaluations) / phase / f"{args.protocol}-{samples}")
+    samples = flags.samples or params.eval.coco.samples
+    out = flags.out or Path(params.paths.evaluations) / phase / f"{args.protocol}-{samples}"
+    from sdforge.eval.coco import run_protocol  # lazy: torch, diffusers
+
     metrics = run_protocol(params, checkpoint, samples, out, args.device, use_ema=not args.live)
     print(json.dumps(metrics, indent=2))
     print(out / "coco.json")
@@ -131,7 +178,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     """The cross-phase report over the phases that have finished (``stages.report``, outside DVC)."""
     params = load_params(args.params)
-    out = Path(params.paths.eval) / REPORT
+    from stages import report as report_stage  # lazy: matplotlib, MLflow
+
+    out = Path(params.paths.eval) / report_stage.REPORT
     if args.mlflow:
         report_stage.run_stage(params, None)
     else:
@@ -142,6 +191,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def _tracking_flush(args: argparse.Namespace) -> int:
     """Replay the MLflow runs short stages spooled (``tracking.spool``) into the store now."""
+    from sdforge.tracking import flush_spool  # lazy: MLflow
+
     replayed = flush_spool(load_params(args.params).tracking)
     print(f"{replayed} spooled MLflow run(s) logged")
     return 0
@@ -149,7 +200,10 @@ def _tracking_flush(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace) -> int:
     """List the run dirs the train stage moved aside (their size), or remove them (``clean --yes``)."""
+    check_arguments(RunsArguments, args)
     runs = Path(load_params(args.params).paths.runs)
+    from sdforge.training.run_dir import remove_stale, stale_runs  # lazy: torch
+
     found = stale_runs(runs, args.phase)
     for stale in found:
         print(f"{stale.path}\t{stale.bytes / 1e6:.1f} MB\t{_stale_note(stale.path)}")
@@ -165,6 +219,8 @@ def _runs(args: argparse.Namespace) -> int:
 
 def _stale_note(path: Path) -> str:
     """What differed, from the folder's note (empty if it has none)."""
+    from sdforge.training.run_dir import STALE_NOTE  # lazy: torch (runs only)
+
     try:
         note = json.loads((path / STALE_NOTE).read_text())
     except (OSError, ValueError):
@@ -173,9 +229,26 @@ def _stale_note(path: Path) -> str:
     return f"moved {note.get('moved_at', '?')}: {', '.join(note.get('differs', []))}{remote}"
 
 
+def _check(args: argparse.Namespace) -> int:
+    """``sdforge check``: params.yaml validated as ``dvc repro`` will read it (``tools.check_params``)."""
+    from tools.check_params import check  # lazy: DVC's YAML loader
+
+    return check(args.params)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sdforge`` argument parser."""
-    parser = argparse.ArgumentParser(prog="sdforge", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="sdforge",
+        description="Sample, export and evaluate the phases a pipeline run trained (`make demo` / `dvc repro` train "
+        "them); check params.yaml; rehearse the full configuration (preflight).",
+        epilog="examples:\n"
+        '  sdforge generate --prompt "a red circle on a white background" --num-images 4\n'
+        "  sdforge export --out export/sd-phase7\n"
+        "  sdforge check\n"
+        "`sdforge <command> --help` lists a command's options; the manual is README.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_export(sub)
@@ -204,10 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     flush.set_defaults(func=_tracking_flush)
     chk = sub.add_parser("check", help="validate params.yaml (size, aliases, names) before a bare `dvc repro`")
     chk.add_argument("--params", default="params.yaml")
-    chk.set_defaults(func=lambda args: check_params(args.params))
-    pre = sub.add_parser("preflight", help="run the full configuration's whole DAG on a small sample; forecast the run")
-    add_preflight_arguments(pre)
-    pre.set_defaults(func=preflight)
+    chk.set_defaults(func=_check)
+    # its options are tools.preflight's own parser (main() hands the command line over before this one is built)
+    sub.add_parser(
+        "preflight",
+        add_help=False,
+        help="run the full configuration's whole DAG on a small sample; forecast the run (its options: --help)",
+    )
     return parser
 
 
@@ -226,10 +302,15 @@ def _add_generate(sub) -> None:
         help="CFG scale, 1: none (default: eval.guidance_scale; distilled phase: 1)",
     )
     gen.add_argument("--category", default=None, help="take steps/guidance defaults from this eval category")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the first image; image i uses seed+i")
-    gen.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the first image (0 … 2**63-1); image i uses seed+i")
+    gen.add_argument("--num-images", type=int, default=1, help="images per prompt (at least 1)")
     gen.add_argument("--batch-size", type=int, default=8)
-    gen.add_argument("--width", type=int, default=None, help="image width in px (default: the model's size)")
+    gen.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help=f"image width in px (default: the model's size; at most that × {MAX_SIZE_FACTOR})",
+    )
     gen.add_argument("--height", type=int, default=None, help="image height in px (a multiple of 64 for SD)")
     gen.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
     gen.add_argument("--live", action="store_true", help="use live instead of EMA weights")
@@ -239,7 +320,7 @@ def _add_generate(sub) -> None:
         help="fuse an unmerged adapter into the UNet: sample the fused form that `sdforge export` writes by default",
     )
     gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
-    gen.add_argument("--out", default="generated", help="output directory")
+    gen.add_argument("--out", default="generated", help="output folder (created if missing; not a file)")
     gen.add_argument("--params", default="params.yaml")
     gen.set_defaults(func=_generate)
 
@@ -247,7 +328,13 @@ def _add_generate(sub) -> None:
 def _add_export(sub) -> None:
     """``sdforge export``'s arguments."""
     exp = sub.add_parser("export", help="write a diffusers StableDiffusionPipeline folder (EMA weights by default)")
-    exp.add_argument("--out", required=True, help="output folder (replaced)")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="output folder: new or empty, outside the workspace's folders (paths.*); a previous export only with "
+        "--overwrite",
+    )
+    exp.add_argument("--overwrite", action="store_true", help="replace the previous export in --out")
     exp.add_argument("--checkpoint", default=None, help="phase checkpoint dir (default: the last phase's)")
     exp.add_argument("--live", action="store_true", help="export live instead of EMA weights")
     exp.add_argument(
@@ -266,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     Bad input — params, or a checkpoint or model folder that does not load — is one logged line and status 2
     (the message names the file and what to do), never a library traceback.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preflight"]:
+        from tools.preflight import main as preflight_main  # lazy: the preflight's own parser and imports (~2 s)
+
+        sys.exit(preflight_main(argv[1:]))
     args = build_parser().parse_args(argv)
     setup_logging()
     try:

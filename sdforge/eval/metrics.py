@@ -22,6 +22,8 @@ from sdforge.bounds.images import ImageRejected, open_bounded
 
 log = logging.getLogger(__name__)
 
+NULL = "is null"
+"""The reason of a metric skipped because its params key is null (a choice, logged as info)."""
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -118,8 +120,10 @@ def fid(images: list[np.ndarray], inception_path: str | Path, reference_dir: str
 
 
 def _skip(metric: str, key: str, why: str) -> dict:
+    """``metric`` is ``None`` with its reason; logged as info when the key is null (the config chose no scorer, as
+    the demo does), as a warning when the key names something that is not there (a mistake to fix)."""
     reason = f"{key} {why}: {metric} skipped"
-    log.warning("%s", reason)
+    log.log(logging.INFO if why == NULL else logging.WARNING, "%s", reason)
     return {metric: None, f"{metric}_skipped": reason}
 
 
@@ -136,7 +140,7 @@ def image_metrics(
     is ``None`` with a ``<metric>_skipped`` reason that names the params key."""
     out: dict = {}
     if clip_model_path is None:
-        out.update(_skip("clip_score", "eval.clip_model_path", "is null"))
+        out.update(_skip("clip_score", "eval.clip_model_path", NULL))
     elif not Path(clip_model_path).is_dir():
         out.update(_skip("clip_score", "eval.clip_model_path", f"= {clip_model_path} is not a folder"))
     else:
@@ -146,9 +150,9 @@ def image_metrics(
             mine = [s for s, c in zip(scores, categories, strict=True) if c == cat]
             out[f"clip_score_{cat}"] = round(float(np.mean(mine)), 4)
     if inception_path is None:
-        out.update(_skip("fid", "eval.fid.inception_path", "is null"))
+        out.update(_skip("fid", "eval.fid.inception_path", NULL))
     elif reference_dir is None:
-        out.update(_skip("fid", "eval.fid.reference_dir", "is null"))
+        out.update(_skip("fid", "eval.fid.reference_dir", NULL))
     elif not Path(inception_path).is_file():
         out.update(_skip("fid", "eval.fid.inception_path", f"= {inception_path} is not a file"))
     elif not Path(reference_dir).is_dir():

@@ -145,7 +145,7 @@ def test_stage_succeeds_without_weights_and_logs_strips(workspace, tmp_path, mon
     params = write_params(tmp_path, models, ckpt.parent, prompts={"shapes": SHAPES[:1], "cats": CATS})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     params.write_text(params.read_text().replace("sqlite:///mlflow.db", uri))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         eval_grid.main(["--params", str(params), "--item", "phase1"])
     assert "eval.clip_model_path is null: clip_score skipped" in caplog.text
     assert "eval.fid.inception_path is null: fid skipped" in caplog.text

@@ -12,12 +12,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import sdforge.eval.export
 from sdforge.config import load_params
 from sdforge.eval.grid import probe_agreement
 from sdforge.eval.sampling import generate, load_pipeline
 from stages import eval_grid
 from tests.fixtures.eval_workspace import make_workspace, write_distilled_phase, write_params
-from tools import cli
 from tools.cli import main
 
 PROMPT = "a red circle on a white background"
@@ -86,7 +86,7 @@ def test_exported_pipeline_reproduces_generate(project, capsys, monkeypatch):
     from diffusers import StableDiffusionPipeline
     root, params, _ = project
     registered = []
-    monkeypatch.setattr(cli, "register", lambda *a: registered.append(a[1]) or {"model_version": 1})
+    monkeypatch.setattr(sdforge.eval.export, "register", lambda *a: registered.append(a[1]) or {"model_version": 1})
     out = root / "sd-export"
     assert _cli(capsys, "export", "--params", str(params), "--out", str(out), "--mlflow-register", "demo") == [
         str(out)

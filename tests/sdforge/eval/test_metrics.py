@@ -3,6 +3,7 @@ TorchScript feature extractor in the NVlabs Inception calling convention."""
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import numpy as np
@@ -74,6 +75,14 @@ def test_missing_paths_skip_and_name_the_key(tmp_path):
     assert got["fid_skipped"] == "eval.fid.inception_path is null: fid skipped"
     got = image_metrics(imgs, ["a", "b"], ["c", "c"], None, str(tmp_path / "x.pt"), None, 10)
     assert got["fid_skipped"] == "eval.fid.reference_dir is null: fid skipped"
+
+
+def test_a_null_key_skips_as_info_and_a_missing_folder_warns(tmp_path, caplog):
+    """A null scorer key is the config's choice (the demo's: no warning in `make demo`); a key naming nothing warns."""
+    with caplog.at_level(logging.INFO, logger="sdforge.eval.metrics"):
+        image_metrics(_images(2, seed=1), ["a", "b"], ["c", "c"], str(tmp_path / "nope"), None, None, 10)
+    levels = {r.getMessage().split(" ", 1)[0]: r.levelname for r in caplog.records}
+    assert levels == {"eval.clip_model_path": "WARNING", "eval.fid.inception_path": "INFO"}
 
 
 RED, BLUE = "a red square", "a blue circle"
