@@ -23,6 +23,7 @@ from sdforge.config.arguments import (
     check_arguments,
     check_image_size,
 )
+from sdforge.eval.export_target import EXPORT_MARKER, check_export_target
 from sdforge.io import InputError, setup_logging, write_json
 
 log = logging.getLogger("sdforge")
@@ -146,9 +147,9 @@ def _export(args: argparse.Namespace) -> int:
     anything; the export itself refuses a non-empty ``--out`` that is not a previous export (docs/EVAL.md)."""
     params = load_params(args.params)
     checkpoint, out = _checkpoint(args, params), Path(args.out)
-    from sdforge.eval.export import EXPORT_MARKER, check_workspace_target, export_pipeline, register  # lazy: diffusers
+    check_export_target(out, params, Path(args.params), checkpoint, args.overwrite)  # before the heavy imports
+    from sdforge.eval.export import export_pipeline, register  # lazy: diffusers
 
-    check_workspace_target(out, params, Path(args.params), checkpoint)
     metrics = export_pipeline(
         Path(params.paths.models), checkpoint, out, not args.live, keep_lora=args.lora_file, overwrite=args.overwrite
     )

@@ -24,7 +24,8 @@ parent run ``export``) and creates a version of registered model ``NAME`` whose 
 The folder is written beside ``--out`` (``.<name>.export-<random>/``), ``sdforge_export.json`` last, and renamed
 into place: an export is complete or absent. ``--out`` must be new, an empty folder, or — with ``--overwrite`` —
 a previous export (it holds ``sdforge_export.json`` and only what an export writes); it must not overlap the
-workspace's folders or contain the workspace (:func:`check_workspace_target`, docs/RESILIENCE.md "What deletes what").
+workspace's folders or contain the workspace (:mod:`sdforge.eval.export_target`, docs/RESILIENCE.md "What deletes
+what").
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from pathlib import Path
 from diffusers import StableDiffusionPipeline
 
 from model.sampler import sampling_scheduler
-from sdforge.config import ConfigError, Params, Tracking
+from sdforge.config import ConfigError, Tracking
+from sdforge.eval.export_target import EXPORT_MARKER
 from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, unmerged_adapter
 from sdforge.io import InputError, write_json
 from sdforge.output_dirs import (
@@ -46,31 +48,18 @@ from sdforge.output_dirs import (
     resolved,
     unexpected_entries,
     warn_leftovers,
-    workspace_folders,
 )
 from sdforge.tracking import stage_run
 
 log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "diffusers_pipeline"
-EXPORT_MARKER = "sdforge_export.json"
-"""The export's metrics, written last into the folder: what proves a folder to be a previous export."""
 EXPORT_ENTRIES = frozenset({
     "model_index.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler", "safety_checker",
     "feature_extractor", "image_encoder", LORA_FILE, EXPORT_MARKER,
 })  # fmt: skip
 """What an export may hold at its top (``StableDiffusionPipeline``'s components, the LoRA file, the marker)."""
 TEMP_TAG, REPLACED_TAG = "export", "replaced"
-
-
-def check_workspace_target(out_dir: Path, params: Params, params_file: Path, checkpoint_dir: Path) -> None:
-    """:class:`InputError` when ``out_dir`` overlaps a ``params.paths`` folder (checkpoints, runs, data, models,
-    eval, …) or the ``checkpoint_dir`` read, or contains the workspace (the params file's folder, the current
-    directory): ``sdforge export`` checks it before :func:`export_pipeline`."""
-    workspaces = [Path.cwd(), resolved(params_file).parent]
-    folders = {f"the workspace folder {k}": v for k, v in workspace_folders(params.paths, workspaces).items()}
-    folders[f"--checkpoint {checkpoint_dir}"] = resolved(checkpoint_dir)
-    refuse_workspace_target(out_dir, "--out", folders, workspaces)
 
 
 def _check_previous(out_dir: Path, overwrite: bool) -> bool:

@@ -26,6 +26,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
         ["generate", "--prompt", "x", "--steps", "-5"],
         ["generate", "--prompt", "x", "--guidance", "inf"],
         ["export"],
+        ["export", "--out", "checkpoints/phase1"],
+        ["export", "--out", "."],
     ],
 )
 def test_help_and_a_refused_flag_import_no_heavy_library(argv):
