@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import resource
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -245,6 +246,19 @@ def naming_write_faults(path: str | Path, what: str = "", *, setting: str = "", 
         if fault is None:
             raise
         raise fault from err
+
+
+def fresh_folder(folder: str | Path, what: str = "", *, setting: str = "") -> Path:
+    """``folder`` emptied and created again: a stage's own output, replaced whole. A folder that cannot be written
+    (read-only, forbidden, full) is one :class:`OutputError` line naming it before anything in it is removed —
+    not ``rmtree(ignore_errors=True)`` failing silently and ``mkdir`` then saying "File exists"."""
+    folder = Path(folder)
+    require_writable(folder, what, setting=setting)
+    with naming_write_faults(folder, what, setting=setting, kept="the folder may be partly emptied; re-run"):
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+    return folder
 
 
 def require_writable(folder: str | Path, what: str = "", *, setting: str = "") -> None:

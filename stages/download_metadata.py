@@ -23,12 +23,11 @@ Metrics: ``files``, ``bytes``, ``skipped_symlinks``.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from sdforge.config import Params, Source
 from sdforge.ingest.metadata import copy_local, download_hub, hub_cache_dir, is_local
-from sdforge.io import InputError, stage_cli
+from sdforge.io import InputError, fresh_folder, stage_cli
 from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
@@ -37,8 +36,7 @@ log = logging.getLogger(__name__)
 def run(source: Source, out_dir: str | Path) -> dict[str, int]:
     """Fill ``out_dir`` (emptied first) with the source's matching files; return the metrics."""
     out_dir = Path(out_dir)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
+    fresh_folder(out_dir, "the downloaded metadata", setting="paths.metadata")
     if is_local(source.repo):
         files, skipped = copy_local(source.repo, source.allow_patterns, out_dir)
         where = "local directory"

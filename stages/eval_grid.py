@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from PIL import Image
@@ -35,7 +34,7 @@ from sdforge.eval.grid import (
 )
 from sdforge.eval.metrics import image_metrics
 from sdforge.eval.sampling import load_pipeline
-from sdforge.io import stage_cli, write_json
+from sdforge.io import fresh_folder, stage_cli, write_json
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
     samples = sample_categories(pipe, cfg)
     categories, prompts, images = (list(x) for x in zip(*samples, strict=True))
     extra = sample_extra_sizes(pipe, cfg)
-    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own output (persist: true: DVC leaves it, dvc.yaml)
+    fresh_folder(out_dir, "the eval grid", setting="paths.eval")  # its own output (persist: true, dvc.yaml)
     write_images(cfg, out_dir, images, prompts, extra)
     (out_dir / STRIPS).mkdir(exist_ok=True)
     for category, texts in cfg.prompts.items():
@@ -125,8 +124,7 @@ SKIPPED = "skipped.json"
 
 def record_skip(phase: str, out_dir: Path) -> dict:
     """A phase with ``eval_grid: false``: ``out_dir`` holds only ``skipped.json`` saying so; metrics say so."""
-    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own output (persist: true: DVC leaves it, dvc.yaml)
-    out_dir.mkdir(parents=True)
+    fresh_folder(out_dir, "the eval grid", setting="paths.eval")  # its own output (persist: true, dvc.yaml)
     write_json(out_dir / SKIPPED, {"phase": phase, "sampled": False, "why": f"phases.{phase}.eval_grid is false"})
     return {"sampled": 0}
 

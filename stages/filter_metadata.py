@@ -13,14 +13,13 @@ after (:mod:`sdforge.ingest.sources.laion.histograms`).
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from sdforge.config import Params, Source, Tracking
 from sdforge.ingest import sources
 from sdforge.ingest.sources.laion.filter import filter_laion
 from sdforge.ingest.sources.laion.histograms import HISTOGRAMS, Histograms, histogram_figure
-from sdforge.io import InputError, require_writable, stage_cli
+from sdforge.io import InputError, fresh_folder, stage_cli
 from sdforge.tracking import stage_run, summarise
 
 log = logging.getLogger(__name__)
@@ -57,9 +56,7 @@ def filter_with_histograms(
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     if not in_dir.is_dir():
         raise InputError(f"metadata folder {in_dir} not found (run download_metadata first)")
-    require_writable(out_dir, "the filtered metadata", setting="paths.filtered")  # else the rmtree fails silently
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
+    fresh_folder(out_dir, "the filtered metadata", setting="paths.filtered")
     hist = None
     if source.kind == "laion":
         metrics, hist = filter_laion(

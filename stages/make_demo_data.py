@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sdforge.config import DemoData, Params
 from sdforge.demo.corpus import build
-from sdforge.io import stage_cli
+from sdforge.io import fresh_folder, stage_cli
 from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,7 @@ def run(cfg: DemoData, out_dir: str | Path) -> dict[str, int]:
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    fresh_folder(tmp, "the demo corpus", setting="paths.demo_source")
     if cfg.enabled:
         metrics: dict[str, int] = {"enabled": 1, **build(cfg, tmp)}
     else:

@@ -46,7 +46,7 @@ from sdforge.captions.models import BUILT_CAPTIONER
 from sdforge.config import SCRATCH, ConfigError, DemoData, Eval, Models, Params
 from sdforge.demo.models import build_demo_captioner, build_demo_components
 from sdforge.eval.weights import prepare_eval_weights
-from sdforge.io import stage_cli, write_json
+from sdforge.io import fresh_folder, stage_cli, write_json
 from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ def check_cross_attention(unet_cross_attention_dim: int, text_hidden_size: int) 
 
 def _fresh(path: Path) -> Path:
     """An empty ``<path>.tmp`` sibling to write into before :func:`_publish`."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return fresh_folder(path.with_name(path.name + ".tmp"), "the models", setting="paths.models")
 
 
 def _publish(tmp: Path, path: Path) -> None:

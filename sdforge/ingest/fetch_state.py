@@ -7,12 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from sdforge.config import FetchSettings
 from sdforge.ingest import shards
-from sdforge.io import atomic_write_bytes, require_writable
+from sdforge.io import atomic_write_bytes, fresh_folder, require_writable
 from sdforge.output_dirs import move_aside
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,6 @@ def prepare_out_dir(out_dir: Path, fingerprint_text: str) -> bool:
         log.info("%s was fetched from other inputs or settings: emptying it", out_dir)
     elif out_dir.is_dir() and any(out_dir.iterdir()):  # no fingerprint: not fetched by this stage
         move_aside(out_dir, "holds files this stage did not fetch (no .fetch-fingerprint)")
-    shutil.rmtree(out_dir, ignore_errors=True)  # its own earlier fetch (its fingerprint), or nothing
-    out_dir.mkdir(parents=True)
+    fresh_folder(out_dir, "the fetched shards", setting="paths.shards")  # its own earlier fetch, or nothing
     atomic_write_bytes(path, fingerprint_text.encode())
     return False

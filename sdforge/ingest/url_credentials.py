@@ -10,6 +10,8 @@ which did not resolve), and it refuses a ``filtered.parquet`` that still holds a
 Userinfo is what RFC 3986 calls it: between ``scheme://`` and the last ``@`` before the path, query or fragment.
 An ``@`` in a path (``https://medium.com/@user/post``) is not userinfo and stays. A secret holding a raw ``/`` is
 not userinfo by that grammar either (the URL names host ``user:sec``, which no fetch reaches); it is not redacted.
+Not :func:`sdforge.config.base.redact_credentials`: that one redacts config values and error text, where it
+rather over-redacts (an ``@`` in a path too); here the URL is data, and a path's ``@`` must survive intact.
 """
 
 from __future__ import annotations

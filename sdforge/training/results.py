@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import gc
 import logging
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
 from model.speed import compile_seconds
-from sdforge.io import loss_curve_path, naming_write_faults, require_writable, write_json
+from sdforge.io import fresh_folder, loss_curve_path, naming_write_faults, write_json
 from sdforge.training.ledger import audit, caption_summary, read_ledger, source_summary
 from sdforge.training.reporting import write_loss_curve
 from sdforge.training.state import LOSS_TAIL
@@ -59,9 +58,7 @@ def export_results(job, run_dir: Path, metrics: dict) -> None:
     curve = loss_curve_path(params.paths.metrics, job.phase_name)
     with naming_write_faults(curve, "the loss curve", setting="paths.metrics", kept=EXPORT_KEPT):
         metrics["mean_loss"] = write_loss_curve(run_dir, curve)
-    what, setting = "the phase's weights", "paths.checkpoints"
-    require_writable(out_dir, what, setting=setting)  # else a read-only folder's rmtree fails silently, mkdir "exists"
-    with naming_write_faults(out_dir, what, setting=setting, kept=EXPORT_KEPT):
+    with naming_write_faults(out_dir, "the phase's weights", setting="paths.checkpoints", kept=EXPORT_KEPT):
         export_phase(job, out_dir, metrics["final_loss"])
         metrics.update(ledger_metrics(job, run_dir, out_dir))
 
@@ -75,8 +72,7 @@ def export_phase(job, out_dir: Path, final_loss: float | None) -> None:
     stored copy, so the export needs no memory beyond training's (at full size on a 24 GiB CPU machine the
     stored copy alone was 3.4 GB). Afterwards the job's UNet holds the EMA weights.
     """
-    shutil.rmtree(out_dir, ignore_errors=True)  # the stage's own DVC output (persist: true, dvc.yaml)
-    out_dir.mkdir(parents=True)
+    fresh_folder(out_dir, "the phase's weights", setting="paths.checkpoints")  # its own DVC output (persist: true)
     job.optim.release()
     gc.collect()
     job.model.export(out_dir, "unet", "adapter")

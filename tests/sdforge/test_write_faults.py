@@ -209,3 +209,19 @@ def test_a_read_only_folder_is_named_before_anything_is_written(tmp_path):
         with pytest.raises(ValueError, match=_fault("read-only file system", "EROFS")) as caught:
             write_json(disk / "metrics" / "train" / "phase1.json", {"a": 1})
         assert f"{disk} is mounted read-only" in str(caught.value)
+
+
+def test_a_stage_output_folder_is_replaced_or_its_read_only_disk_named_with_nothing_removed(tmp_path):
+    """``fresh_folder``: the stage's own folder emptied and re-created; on a read-only disk one line, its files
+    untouched (``rmtree(ignore_errors=True)`` used to fail silently there, then ``mkdir`` said "File exists")."""
+    out = tmp_path / "filtered" / "laion"
+    (out / "old").mkdir(parents=True)
+    (out / "old" / "part.parquet").write_bytes(b"x")
+    assert sdio.fresh_folder(out) == out and out.is_dir() and not any(out.iterdir())
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        (disk / "laion").mkdir()
+        (disk / "laion" / "filtered.parquet").write_bytes(b"mine")
+        read_only(disk)
+        with pytest.raises(sdio.OutputError, match=_fault("read-only file system", "EROFS")):
+            sdio.fresh_folder(disk / "laion", "the filtered metadata", setting="paths.filtered")
+        assert (disk / "laion" / "filtered.parquet").read_bytes() == b"mine"
