@@ -2,6 +2,7 @@
 #
 #   make demo         build the venv if needed, run the whole DVC pipeline, print where the results are
 #   make demo-recaption  the demo + a source captioned with file names, recaptioned (workspace .demo-recaption/)
+#   make demo-mmdit   the demo's whole DAG with a tiny MM-DiT (SD3's backbone) instead of the UNet (.demo-mmdit/)
 #   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
 #   make stack-up-s3  the same + MLflow server (artifacts on S3) + moto's S3 server on loopback (local test)
@@ -43,7 +44,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo demo-recaption preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo demo-recaption demo-mmdit preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -85,6 +86,10 @@ demo: venv
 # DEMO_RECAPTION_ARGS: e.g. --all (the whole DAG, phase 6 training on the captions)
 demo-recaption: venv
 	$(PY) -m tools.demo_recaption $(DEMO_RECAPTION_ARGS)
+
+# The demo's DAG, phases 0-8, with the MM-DiT family (docs/MMDIT.md); workspace .demo-mmdit/ (a rerun resumes).
+demo-mmdit: venv
+	HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m tools.demo_mmdit $(DEMO_MMDIT_ARGS)
 
 # PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
 preflight: venv

@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DConditionModel
 from scipy.stats import spearmanr
 
+from model.denoisers import family
 from sdforge.config import Params
 from sdforge.training.checkpoints import POSTHOC_DIR
 from sdforge.training.conditioning import Conditioning
@@ -50,12 +50,13 @@ class Scorer:
         self.params, self.phase = params, phase
         self.held_out = HeldOutLoss.for_phase(params, phase)
         models, dtype = Path(params.paths.models), params.train.text_encoder_dtype
-        self.conditioning = Conditioning(models, torch.device("cpu"), dtype)
+        self.family = family(params.models.denoiser.family)
+        self.conditioning = Conditioning(models, torch.device("cpu"), dtype, self.family)
         self.square_only = params.eval.model_copy(update={"extra_sizes": []})  # the probe score: the square cells
         self.scratch = Path(params.paths.checkpoints).parent / "ema-study"
 
     def __call__(self, checkpoint: Path) -> tuple[float, float]:
-        unet = UNet2DConditionModel.from_pretrained(checkpoint / "unet_ema")
+        unet = self.family.model_class().from_pretrained(checkpoint / "unet_ema")
         val = self.held_out.measure_unet(unet, self.conditioning, self.params.phase_objective(self.phase))["val_loss"]
         grid = eval_grid.run(self.square_only, self.params.demo, Path(self.params.paths.models), checkpoint,
                              self.scratch / "eval")  # fmt: skip

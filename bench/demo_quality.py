@@ -56,13 +56,14 @@ from bench._common import load_average, machine, result_line
 from bench._ema_study import chosen_name, study, trajectory
 from bench._few_step import few_step_study, share_of_teacher
 from bench._few_step import lines as few_step_lines
-from model.builders import build_unet, unet_config
+from model.denoisers import family
+from model.text_stack import TextStack, text_part_dirs
 from sdforge.config import SCRATCH, Params, load_params
-from sdforge.demo.models import build_demo_text_encoder
+from sdforge.demo.models import build_demo_text_encoders
 from sdforge.io import write_json
 from sdforge.training.reporting import read_steps
 from stages import eval_grid, mix_phase, train
-from stages.prepare_models import TEXT_ENCODER, TOKENIZER, UNCOND_EMBEDDING, save_uncond_embedding
+from stages.prepare_models import UNCOND_EMBEDDING, save_uncond_embedding
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUTS = ("mixes", "checkpoints", "runs", "eval", "metrics")
@@ -138,9 +139,10 @@ def check_inputs(params: Params) -> None:
 
 
 def write_scratch_unet(params: Params, out: Path) -> None:
-    """Phase 1's seeded initial UNet from ``models.unet`` (as ``prepare_models`` writes it): a ``--set
-    models.unet...`` change needs its own; the frozen VAE and text encoder are reused."""
-    unet = build_unet(unet_config(params.models.unet.model_dump()), params.models.seed)
+    """Phase 1's seeded initial denoiser from ``models.<family>`` (as ``prepare_models`` writes it): a ``--set
+    models.unet...`` change needs its own; the frozen VAE and text encoders are reused."""
+    denoiser_family = family(params.models.denoiser.family)
+    unet = denoiser_family.build(denoiser_family.config(params.models.denoiser_spec), params.models.seed)
     for sub in ("unet", "unet_ema"):
         unet.save_pretrained(out / sub, safe_serialization=True)
     write_json(out / "state.json", {"phase": SCRATCH, "step": 0})
@@ -171,11 +173,13 @@ def use_text_encoder_draw(base: Path, params: Params, work: Path) -> Params:
     models = work / "models"
     if not models.exists():  # a --from-phase run reuses the draw its earlier invocation built
         shutil.copytree(params.paths.models, models)
-        built = build_demo_text_encoder(params.models, params.demo, params.eval, models / TOKENIZER)
-        tokenizer, text_encoder, _ = built
-        shutil.rmtree(models / TEXT_ENCODER)
-        text_encoder.save_pretrained(models / TEXT_ENCODER, safe_serialization=True)
-        save_uncond_embedding(tokenizer, text_encoder, models / UNCOND_EMBEDDING)
+        denoiser_family = family(params.models.denoiser.family)
+        tokenizers, encoders, _ = build_demo_text_encoders(params.models, params.demo, params.eval, models,
+                                                            denoiser_family)  # fmt: skip
+        for encoder, (encoder_dir, _) in zip(encoders, text_part_dirs(denoiser_family), strict=True):
+            shutil.rmtree(models / encoder_dir)
+            encoder.save_pretrained(models / encoder_dir, safe_serialization=True)
+        save_uncond_embedding(TextStack(denoiser_family, tokenizers, encoders), models / UNCOND_EMBEDDING)
     data = yaml.safe_load((work / "params.yaml").read_text())
     data["paths"]["models"] = str(models)
     (work / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,6 +1,11 @@
-"""Benchmark: one optimizer step of our trainer vs a plain diffusers-style loop, same UNet and batch.
+"""Benchmark: one optimizer step of our trainer vs a plain diffusers-style loop, same denoiser and batch.
 
-``python -m bench.train_step [--quick] [--config demo|full] [--batch N] [--ckpt off|on|both]``
+``python -m bench.train_step [--quick] [--config demo|full] [--family unet|mmdit] [--batch N] [--ckpt off|on|both]``
+
+``--family mmdit`` (default: the config's ``models.denoiser.family``) times the MM-DiT of ``models.mmdit`` (the full
+config's default: the 1.2B preset at 64² latents, 1,024 image tokens) under rectified flow; its plain loop is
+diffusers' ``examples/dreambooth/train_dreambooth_sd3.py`` body (logit-normal σ, ``(1 − σ)·x + σ·ε``, target
+``ε − x``). The UNet description below is the default family's.
 
 - ours: the real :func:`sdforge.training.step.micro_step` + :meth:`sdforge.training.optimization.Optimization.step`
   (noise and timesteps from the job's CPU generator, CFG dropout, bf16 autocast on CUDA,
@@ -40,7 +45,8 @@ from pathlib import Path
 import torch
 
 from bench._common import load_average, machine, result_line
-from model.builders import build_unet, noise_scheduler, unet_config
+from model.builders import noise_scheduler
+from model.denoisers import family
 from model.precision import uses_bf16_autocast
 from model.speed import attention_backends, compile_unet
 from sdforge.config import load_params
@@ -65,11 +71,29 @@ _SEEDED: dict[str, torch.nn.Module] = {}
 """Each config's seed-0 UNet, built once on CPU (860M parameters take seconds to initialise), copied per variant."""
 
 
+def _family_config(params):
+    """The denoiser family of ``params`` and its diffusers config."""
+    fam = family(params.models.denoiser.family)
+    return fam, fam.config(params.models.denoiser_spec)
+
+
+def with_family(params, name: str):
+    """``params`` with ``models.denoiser.family: name`` (an unvalidated copy: the bench reads models and train only)."""
+    models = params.models.model_copy(update={"denoiser": params.models.denoiser.model_copy(update={"family": name})})
+    return params.model_copy(update={"models": models})
+
+
+def _random_cond(params, batch: int) -> torch.Tensor:
+    """A seeded stand-in for the family's packed text conditioning of ``batch`` prompts (77 tokens)."""
+    fam, config = _family_config(params)
+    return torch.randn(batch, *fam.cond_shape(config, 77), generator=torch.Generator().manual_seed(1))
+
+
 def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool):
-    config = unet_config(params.models.unet.model_dump())
+    fam, config = _family_config(params)
     key = repr(sorted(config.items()))
     if key not in _SEEDED:
-        _SEEDED[key] = build_unet(config, seed=0)
+        _SEEDED[key] = fam.build(config, seed=0)
     unet = copy.deepcopy(_SEEDED[key]).to(device).train()
     if ckpt:
         unet.enable_gradient_checkpointing()
@@ -102,8 +126,10 @@ class _BenchJob:
     conditioning: _Conditioning
     state: TrainState
     objective: str = "diffusion"
+    """The family's first objective (``flow_matching`` for the MM-DiT)."""
     phase_name: str = "bench"
     attention: object = None
+    caption_parts: tuple = ()
 
 
 def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto"):
@@ -117,12 +143,12 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
     dist = Dist(rank=0, world=1, local_rank=0, device=device)
     model = FullUNet(_build_unet(params, device, ckpt, cfg.channels_last), dist)
     compile_unet(model.unet, compile_)
-    optim = Optimization(model.trainable, phase, cfg, device, "bench", model.unet.config)
+    optim = Optimization(model.trainable, phase, cfg, device, "bench", model.unet)
     optim.plan(10**6)
-    d = params.models.unet.cross_attention_dim
-    cond = torch.randn(batch, 77, d, generator=torch.Generator().manual_seed(1)).to(device)
+    cond = _random_cond(params, batch).to(device)
     conditioning = _Conditioning(cond, noise_scheduler(params.models.noise.model_dump()))
-    job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0),
+    objective = family(params.models.denoiser.family).objectives[0]
+    job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0), objective=objective,
                     attention=attention_backends(attention, device))  # fmt: skip
     ids = torch.zeros(batch, 77, dtype=torch.long)
 
@@ -136,15 +162,16 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
 
 
 def _plain(params, device, batch, ckpt):
-    """diffusers examples/text_to_image/train_text_to_image.py's loop body."""
+    """diffusers examples/text_to_image/train_text_to_image.py's loop body (the MM-DiT: :func:`_plain_flow`)."""
+    if family(params.models.denoiser.family).objectives == ("flow_matching",):
+        return _plain_flow(params, device, batch, ckpt)
     import torch.nn.functional as F
     from diffusers.training_utils import EMAModel
 
     cfg, phase = params.train, next(iter(params.phases.values()))
     scheduler = noise_scheduler(params.models.noise.model_dump())
     unet = _build_unet(params, device, ckpt, channels_last=False)
-    cond = torch.randn(batch, 77, params.models.unet.cross_attention_dim, generator=torch.Generator().manual_seed(1))
-    cond = cond.to(device)
+    cond = _random_cond(params, batch).to(device)
     optimizer = torch.optim.AdamW(
         unet.parameters(), lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
     )
@@ -174,19 +201,49 @@ def _plain(params, device, batch, ckpt):
     return step
 
 
+def _plain_flow(params, device, batch, ckpt):
+    """diffusers examples/dreambooth/train_dreambooth_sd3.py's loop body: logit-normal σ (mean 0, std 1), the
+    straight-line sample, the velocity target, SD3's transformer called with its sequence and pooled inputs."""
+    import torch.nn.functional as F
+    from diffusers.training_utils import EMAModel
+
+    cfg, phase = params.train, next(iter(params.phases.values()))
+    _, config = _family_config(params)
+    model = _build_unet(params, device, ckpt, channels_last=False)
+    gen = torch.Generator().manual_seed(1)
+    sequence = torch.randn(batch, 77, config["joint_attention_dim"], generator=gen).to(device)
+    pooled = torch.randn(batch, config["pooled_projection_dim"], generator=gen).to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
+    )
+    ema = EMAModel(model.parameters())
+    ema.to(device)
+    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)
+
+    def step(latents):
+        latents = latents.to(device)
+        noise = torch.randn_like(latents)
+        sigmas = torch.sigmoid(torch.randn(latents.shape[0], device=device))
+        noisy = (1.0 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            pred = model(hidden_states=noisy, timestep=sigmas * 1000, encoder_hidden_states=sequence,
+                         pooled_projections=pooled, return_dict=False)[0]  # fmt: skip
+        loss = F.mse_loss(pred.float(), (noise - latents).float(), reduction="mean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ema.step(model.parameters())
+        float(loss.detach())
+
+    return step
+
+
 def flops_per_sample(params) -> float:
-    """Forward + backward FLOPs of one training sample (batch 1, no checkpoint recomputation; on ``meta``)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    spec = params.models.unet
-    with torch.device("meta"):
-        unet = build_unet(unet_config(spec.model_dump()), seed=0)
-        x = torch.randn(1, spec.in_channels, spec.sample_size, spec.sample_size)
-        cond = torch.randn(1, 77, spec.cross_attention_dim)
-        with FlopCounterMode(display=False) as counter:
-            unet(x, torch.tensor([500]), cond).sample.float().pow(2).mean().backward()
-    return float(counter.get_total_flops())
-
+    """Forward + backward FLOPs of one training sample (batch 1, 77 text tokens, no checkpoint recomputation;
+    counted on ``meta`` through the family's forward call)."""
+    fam, config = _family_config(params)
+    return fam.flops_per_sample(config, config["sample_size"], *fam.cond_shape(config, 77))
 
 def _reset_peak(device) -> None:
     if device.type == "cuda":
@@ -253,8 +310,8 @@ def _make_step(params, device, v: Variant):
 
 def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row) -> None:
     """Build ``v`` on a fresh model, warm up, time ``steps`` steps into ``row``; failures end up in ``row.failed``."""
-    spec = params.models.unet
-    latents = torch.randn(v.batch, spec.in_channels, spec.sample_size, spec.sample_size)
+    spec = params.models.denoiser_spec
+    latents = torch.randn(v.batch, spec["in_channels"], spec["sample_size"], spec["sample_size"])
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -337,6 +394,7 @@ def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 3 steps (demo: batch 8); under a minute on CPU")
     ap.add_argument("--config", choices=sorted(CONFIGS), help="default: full on CUDA, demo on CPU")
+    ap.add_argument("--family", choices=["unet", "mmdit"], help="the denoiser; default: the config's")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--batch", help="comma-separated batch sizes (default: 24 for full, 32 for demo; quick 8)")
     ap.add_argument("--ckpt", choices=["off", "on", "both"], help="gradient checkpointing; default: both on CUDA")
@@ -355,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     config = args.config or ("full" if cuda else "demo")
     params = _load(config)
+    if args.family:
+        params = with_family(params, args.family)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = params.train.tf32
         torch.backends.cudnn.allow_tf32 = params.train.tf32
@@ -373,11 +433,12 @@ def main(argv: list[str] | None = None) -> None:
     peak_tflops = args.peak_tflops or (H100_BF16_DENSE_TFLOPS if cuda else None)
     where = machine() + (f", {torch.cuda.get_device_name(device)}" if cuda else "")
     dtype = "bf16 autocast" if uses_bf16_autocast(device, params.train.mixed_precision) else "fp32"
-    spec = params.models.unet
+    spec = params.models.denoiser_spec
     flops = flops_per_sample(params)
     print(f"machine: {where}; load {load_average()}; torch {torch.__version__}")
     print(
-        f"config: {config} UNet {list(spec.block_out_channels)} at {spec.sample_size}x{spec.sample_size} latents, "
+        f"config: {config} {params.models.denoiser.family} denoiser at {spec['sample_size']}x{spec['sample_size']} "
+        "latents, "
         f"{dtype}; {len(variants)} variants; {rounds} round(s) x {steps} timed steps after {warmup} warm-up each"
     )
     print(f"FLOPs per training sample (counted): {flops / 1e12:.4g} TFLOP", end="")
@@ -402,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
             mfu=o.img_s(ours.batch) * flops / (peak_tflops * 1e12) if peak_tflops else 0.0,
             device=device.type,
             config=config,
+            family=params.models.denoiser.family,
             batch=ours.batch,
             ckpt="on" if ours.ckpt else "off",
             channels_last="on" if ours.channels_last else "off",

@@ -30,15 +30,7 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-UNET_GROUPS: dict[str, tuple[str, ...]] = {
-    "self_attention": (r"attn1\.to_q", r"attn1\.to_k", r"attn1\.to_v", r"attn1\.to_out\.0"),
-    "cross_attention": (r"attn2\.to_q", r"attn2\.to_k", r"attn2\.to_v", r"attn2\.to_out\.0"),
-    "feed_forward": (r"ff\.net\.0\.proj", r"ff\.net\.2"),
-    "resnet_conv": (r"resnets\.\d+\.conv1", r"resnets\.\d+\.conv2"),
-    "proj": (r"proj_in", r"proj_out"),
-    "time_embedding": (r"resnets\.\d+\.time_emb_proj",),
-    "pooled_text": (r"add_embedding\.proj", r"add_embedding\.pool\.[qkv]_proj"),
-}
+from model.denoisers.unet import UNET_GROUPS  # noqa: F401 - re-exported; the groups live with the family
 
 
 def target_pattern(groups: Iterable[str], table: dict[str, tuple[str, ...]]) -> str:

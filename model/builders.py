@@ -9,114 +9,29 @@ same seed gives bit-identical weights and the caller's global RNG state is left 
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from diffusers.models.attention import FeedForward
-from diffusers.models.attention_processor import Attention
-from diffusers.models.resnet import ResnetBlock2D
-from diffusers.models.transformers.transformer_2d import Transformer2DModel
-from transformers import CLIPTextConfig, CLIPTextModel
+from diffusers import AutoencoderKL, DDPMScheduler
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+from model.denoisers.unet import (  # noqa: F401 - re-exported: the UNet's builders live with its family
+    UNET_OPTIONAL_KEYS,
+    UNET_SPEC_KEYS,
+    build_unet,
+    output_projections,
+    unet_config,
+    zero_init_output_projections,
+)
+from model.seeding import seeded
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
 END_OF_WORD = "</w>"
 
-# The UNet2DConditionModel config keys this project sets (UNetSpec); everything else keeps the
-# diffusers default, which is SD 1.x's value (silu, flip_sin_to_cos, freq_shift 0, ...).
-UNET_SPEC_KEYS = (
-    "sample_size",
-    "in_channels",
-    "out_channels",
-    "block_out_channels",
-    "layers_per_block",
-    "down_block_types",
-    "up_block_types",
-    "cross_attention_dim",
-    "attention_head_dim",
-    "norm_num_groups",
-)
-UNET_OPTIONAL_KEYS = {"addition_embed_type": None, "addition_embed_type_num_heads": 64}
-"""Spec keys that may be left out, with diffusers' defaults (SD 1.x: no pooled-text embedding)."""
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run the block with the CPU RNG seeded to ``seed``; restore the caller's RNG state after."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
 def count_parameters(module: torch.nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters (all, or only those with ``requires_grad``)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
-# --------------------------------------------------------------------------------------------- UNet
-
-
-def unet_config(spec: dict) -> dict:
-    """``UNet2DConditionModel`` config from a ``UNetSpec`` dict; unknown or missing keys raise."""
-    unknown = sorted(set(spec) - set(UNET_SPEC_KEYS) - set(UNET_OPTIONAL_KEYS))
-    missing = sorted(set(UNET_SPEC_KEYS) - set(spec))
-    if unknown or missing:
-        raise ValueError(
-            f"UNet spec keys must be {list(UNET_SPEC_KEYS)}; unknown: {unknown}, missing: {missing}"
-        )
-    config = {k: (tuple(v) if isinstance(v, list) else v) for k, v in {**UNET_OPTIONAL_KEYS, **spec}.items()}
-    groups = config["norm_num_groups"]
-    bad = [c for c in config["block_out_channels"] if c % groups]
-    if bad:
-        raise ValueError(f"block_out_channels {list(config['block_out_channels'])} must be divisible by "
-                         f"norm_num_groups={groups}; {bad} are not")
-    return config
-
-
-def output_projections(unet: UNet2DConditionModel) -> dict[str, torch.nn.Module]:
-    """The layers the reference run zero-initialises, by qualified name.
-
-    Every ResnetBlock2D's ``conv2``, every attention's output projection ``to_out[0]`` (self- and
-    cross-attention), every feed-forward's final linear, every Transformer2DModel's
-    ``proj_out``, and the UNet's ``conv_out``.
-    """
-    found: dict[str, torch.nn.Module] = {"conv_out": unet.conv_out}
-    for name, module in unet.named_modules():
-        if isinstance(module, ResnetBlock2D):
-            found[f"{name}.conv2"] = module.conv2
-        elif isinstance(module, Attention):
-            found[f"{name}.to_out.0"] = module.to_out[0]
-        elif isinstance(module, FeedForward):
-            idx = max(i for i, m in enumerate(module.net) if isinstance(m, torch.nn.Linear))
-            found[f"{name}.net.{idx}"] = module.net[idx]
-        elif isinstance(module, Transformer2DModel):
-            found[f"{name}.proj_out"] = module.proj_out
-    return found
-
-
-@torch.no_grad()
-def zero_init_output_projections(unet: UNet2DConditionModel) -> list[str]:
-    """Zero the weights and biases of :func:`output_projections`; return their names."""
-    layers = output_projections(unet)
-    for layer in layers.values():
-        layer.weight.zero_()
-        if layer.bias is not None:
-            layer.bias.zero_()
-    return sorted(layers)
-
-
-def build_unet(config: dict, seed: int) -> UNet2DConditionModel:
-    """A from-scratch ``UNet2DConditionModel`` (seeded), output projections zeroed.
-
-    Works under ``with torch.device("meta"):`` too (shape-only, nothing allocated).
-    """
-    with seeded(seed):
-        unet = UNet2DConditionModel(**config)
-    zero_init_output_projections(unet)
-    return unet
 
 
 # ---------------------------------------------------------------------------------------------- VAE
@@ -254,8 +169,10 @@ def build_tiny_text_encoder(
     seed: int,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    with_projection: bool = False,
 ) -> CLIPTextModel:
-    """A small random ``CLIPTextModel`` in eval mode with gradients off (it is frozen at use).
+    """A small random ``CLIPTextModel`` in eval mode with gradients off (it is frozen at use); with
+    ``with_projection`` a ``CLIPTextModelWithProjection`` (projection width = hidden size), as SD3's encoders.
 
     ``bos/eos_token_id`` default to the last two ids, where :func:`clip_vocab_and_merges` puts
     them; the eos id selects the pooled output.
@@ -279,7 +196,7 @@ def build_tiny_text_encoder(
         pad_token_id=eos,
     )
     with seeded(seed):
-        model = CLIPTextModel(config)
+        model = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
     model.eval().requires_grad_(False)
     return model
 

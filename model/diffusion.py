@@ -13,6 +13,8 @@ import torch
 from diffusers import DDPMScheduler
 from diffusers.training_utils import EMAModel, compute_snr
 
+from model.denoisers import family_of
+
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
@@ -111,6 +113,23 @@ def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator
     return torch.where(mask, uncond.to(cond.dtype).expand_as(cond), cond)
 
 
+def part_dropout(cond: torch.Tensor, uncond: torch.Tensor, parts: list, generator: Generators) -> torch.Tensor:
+    """Replace each ``(part, rate)`` region of each sample's condition by ``uncond``'s with probability ``rate`` —
+    one draw per part and sample, in ``parts``' order (``phases.<p>.caption_dropout``; a part is a
+    :class:`model.denoisers.CondPart`)."""
+    if not parts:
+        return cond
+    mask = torch.zeros(cond.shape, dtype=torch.bool)
+    for part, rate in parts:
+        drop = draw(generator, (cond.shape[0],), torch.rand) < rate
+        region = torch.zeros(cond.shape[1:], dtype=torch.bool)
+        region[part.rows, part.cols] = True
+        mask |= drop.view(-1, 1, 1) & region
+    if not bool(mask.any()):
+        return cond
+    return torch.where(to_device(mask, cond.device), uncond.to(cond.dtype).expand_as(cond), cond)
+
+
 def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2) -> float:
     """Closed form of the schedule: linear warmup from ``peak·1e-2``, then cosine to ``peak·final_ratio``.
 
@@ -195,7 +214,7 @@ def denoising_loss(
         xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
         model_noise = noise + input_perturbation * xi
     noisy = scheduler.add_noise(latents, model_noise, timesteps)
-    pred = unet(noisy, timesteps, encoder_hidden_states=cond).sample
+    pred = family_of(unet).predict(unet, noisy, timesteps, cond)
     target = training_target(scheduler, latents, noise, timesteps)
     return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma), reduce)
 

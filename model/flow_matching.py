@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from model.denoisers import family_of
 from model.diffusion import Generators, diffusion_loss, draw, to_device, training_noise
 
 
@@ -68,5 +69,5 @@ def flow_matching_loss(
         xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
         model_noise = noise + input_perturbation * xi
     x_t = interpolate(latents, model_noise, sigma)
-    pred = unet(x_t, sigma * num_train_timesteps, encoder_hidden_states=cond).sample
+    pred = family_of(unet).predict(unet, x_t, sigma * num_train_timesteps, cond)
     return diffusion_loss(pred, noise - latents, None, reduce)

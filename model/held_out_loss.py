@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers import DDPMScheduler
 
+from model.denoisers import family_of
 from model.diffusion import diffusion_loss, training_target
 from model.flow_matching import interpolate
 
@@ -52,6 +53,6 @@ def held_out_losses(
         else:
             t = torch.full((batch,), timestep, dtype=torch.long, device=latents.device)
             x_t, target = scheduler.add_noise(latents, noise, t), training_target(scheduler, latents, noise, t)
-        pred = unet(x_t, t, encoder_hidden_states=cond).sample
+        pred = family_of(unet).predict(unet, x_t, t, cond)
         out.append(diffusion_loss(pred, target, None, reduce=False))
     return torch.stack(out, dim=1)

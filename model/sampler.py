@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model.denoisers import family_of
+
 if TYPE_CHECKING:  # annotations only: the schedulers are imported where they are built (see ddim_from_training)
     from diffusers import (
         AutoencoderKL,
@@ -37,7 +39,6 @@ if TYPE_CHECKING:  # annotations only: the schedulers are imported where they ar
         DPMSolverMultistepScheduler,
         LCMScheduler,
         SchedulerMixin,
-        UNet2DConditionModel,
     )
 
 OBJECTIVES = ("diffusion", "flow_matching")
@@ -121,16 +122,27 @@ def lcm_scheduler(
 
 
 def sampling_scheduler(
-    train_scheduler_config: dict, objective: str = "diffusion", flow_shift: float = 1.0, distill: dict | None = None
+    train_scheduler_config: dict,
+    objective: str = "diffusion",
+    flow_shift: float = 1.0,
+    distill: dict | None = None,
+    flow_euler: bool = False,
 ):
     """The sampler's scheduler for a checkpoint trained with ``objective``: :func:`ddim_from_training` for
     diffusion (:func:`lcm_scheduler` when ``distill``, the phase's ``Distill`` options as a dict, is given),
     :func:`flow_euler_scheduler` (same ``num_train_timesteps``) for flow matching, its stochastic variant when
-    distilled (see the module docstring)."""
+    distilled (see the module docstring). ``flow_euler`` (a family whose pipeline runs it, ``mmdit``): diffusers'
+    ``FlowMatchEulerDiscreteScheduler`` with the shift for flow matching instead, the same Euler maths."""
     if objective == "diffusion" and distill:
         return lcm_scheduler(train_scheduler_config, distill["num_ddim_timesteps"], distill["timestep_scaling"])
     if objective == "diffusion":
         return ddim_from_training(train_scheduler_config)
+    if objective == "flow_matching" and flow_euler and not distill:
+        # lazy: diffusers costs 4-6 s to import (ddim_from_training)
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        steps = train_scheduler_config.get("num_train_timesteps", 1000)
+        return FlowMatchEulerDiscreteScheduler(steps, shift=flow_shift)
     if objective == "flow_matching":
         steps = train_scheduler_config.get("num_train_timesteps", 1000)
         return flow_euler_scheduler(steps, flow_shift, stochastic=bool(distill))
@@ -148,7 +160,7 @@ def encode_prompts(tokenizer, text_encoder, prompts: list[str], device: torch.de
 
 @torch.no_grad()
 def sample_latents(
-    unet: UNet2DConditionModel,
+    unet: torch.nn.Module,
     scheduler: SchedulerMixin,
     cond: torch.Tensor,
     uncond: torch.Tensor | None,
@@ -168,19 +180,22 @@ def sample_latents(
     prompts share its batch.
     """
     device = next(unet.parameters()).device
+    family = family_of(unet)
     batch = cond.shape[0]
     if len(generators) != batch:
         raise ValueError(f"need one generator per prompt: {batch} prompts, {len(generators)} generators")
     latents = torch.stack([torch.randn(latent_shape, generator=g, dtype=torch.float32) for g in generators])
-    latents = (latents * scheduler.init_noise_sigma).to(device)
+    latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     cfg = guidance_scale > 1
     context = _context(cond, uncond if cfg else None).to(device=device, dtype=unet.dtype)
     # per-row draws on each CPU generator, as the pipeline's randn_tensor makes them (prepare_extra_step_kwargs)
     extra = {"generator": generators} if "generator" in inspect.signature(scheduler.step).parameters else {}
     scheduler.set_timesteps(steps, device=device)
     for t in scheduler.timesteps:
-        model_in = scheduler.scale_model_input(torch.cat([latents, latents]) if cfg else latents, t)
-        out = unet(model_in.to(unet.dtype), t, encoder_hidden_states=context).sample.float()
+        model_in = torch.cat([latents, latents]) if cfg else latents
+        if hasattr(scheduler, "scale_model_input"):  # FlowMatchEulerDiscreteScheduler has none (its input is x)
+            model_in = scheduler.scale_model_input(model_in, t)
+        out = family.predict(unet, model_in.to(unet.dtype), t, context).float()
         if cfg:
             out_u, out_c = out.chunk(2)
             out = out_u + guidance_scale * (out_c - out_u)
@@ -206,7 +221,7 @@ def decode_to_uint8(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
 
 
 def latent_shape_for(
-    unet: UNet2DConditionModel,
+    unet: torch.nn.Module,
     vae: AutoencoderKL,
     image_size: int | None = None,
     *,
@@ -215,21 +230,25 @@ def latent_shape_for(
 ) -> tuple[int, int, int]:
     """``(C, h, w)`` of the latents for a ``width``×``height`` image; a side not given is ``image_size``, else
     the UNet's sample size in pixels. Both sides must be multiples of :func:`pixel_multiple` (64 px for SD)."""
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    factor = vae_factor(vae)
     default = trained_image_side(unet, vae) if image_size is None else image_size
     w, h = width or default, height or default
     multiple = pixel_multiple(unet, vae)
     if w % multiple or h % multiple:
         raise ValueError(f"image size {w}×{h}: width and height must be multiples of {multiple} px for this model")
-    return (unet.config.in_channels, h // factor, w // factor)
+    return (family_of(unet).latent_channels(unet), h // factor, w // factor)
 
 
-def trained_image_side(unet: UNet2DConditionModel, vae: AutoencoderKL) -> int:
+def trained_image_side(unet: torch.nn.Module, vae: AutoencoderKL) -> int:
     """The image side in px the UNet was built for: its sample size × the VAE's downsampling (512 for SD 1.x)."""
-    return int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
+    return family_of(unet).trained_side(unet, vae_factor(vae))
 
 
-def pixel_multiple(unet: UNet2DConditionModel, vae: AutoencoderKL) -> int:
+def pixel_multiple(unet: torch.nn.Module, vae: AutoencoderKL) -> int:
     """The pixel multiple an image side must be: the VAE's downsampling times the UNet's (64 for SD 1.x)."""
-    vae_factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    return vae_factor * 2 ** (len(unet.config.down_block_types) - 1)
+    return family_of(unet).pixel_multiple(unet, vae_factor(vae))
+
+
+def vae_factor(vae: AutoencoderKL) -> int:
+    """Pixels per latent cell along one side (8 for SD's VAE)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)

@@ -19,8 +19,9 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-REPEATED_BLOCKS = ("ResnetBlock2D", "Transformer2DModel")
-"""The UNet blocks ``compile: blocks`` compiles (each transformer model holds its norm, projections and blocks)."""
+REPEATED_BLOCKS = ("ResnetBlock2D", "Transformer2DModel", "JointTransformerBlock")
+"""The blocks ``compile: blocks`` compiles: the UNet's (each transformer model holds its norm, projections and blocks)
+and the MM-DiT's joint blocks."""
 ATTENTION = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,

@@ -364,6 +364,24 @@ def _has_reason(lines: list[str], index: int) -> bool:
     return index > 0 and lines[index - 1].strip().startswith("#")
 
 
+FAMILY_CLASSES = ("UNet2DConditionModel", "SD3Transformer2DModel")
+"""The denoiser families' model classes: only ``model/denoisers/`` names them (issue 56: the seam)."""
+
+
+def test_only_the_family_modules_name_the_denoiser_classes():
+    named = [
+        f"{path.relative_to(REPO)}: {cls}"
+        for path in sorted(REPO.glob("*/**/*.py"))
+        if path.parts[len(REPO.parts)] in ("model", "sdforge", "stages", "flows", "tools", "bench")
+        and "denoisers" not in path.relative_to(REPO).parts
+        for cls in FAMILY_CLASSES
+        if cls in path.read_text()
+    ]
+    assert not named, "only model/denoisers/ may name a family's model class; ask the family instead:\n" + "\n".join(
+        named
+    )
+
+
 def test_lazy_imports_say_why():
     assert not lazy_imports_without_reason(), (
         "imports inside functions need a one-line reason (a comment on the line or above it), "

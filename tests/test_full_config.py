@@ -39,3 +39,27 @@ def test_full_unet_has_exactly_sd1_parameter_count():
         unet = UNet2DConditionModel(**unet_config(p.models.unet.model_dump()))
     assert count_parameters(unet) == SD1_UNET_PARAMS
     assert next(unet.parameters()).device.type == "meta"
+
+
+def test_the_mmdit_recipe_overlay_is_the_second_runs_and_fits_sd3s_two_clips():
+    import yaml
+
+    from model.denoisers import family
+    from sdforge.architectures.frozen import architecture_config
+    from sdforge.config import parse_params
+    from tools.tiny_demo import merged
+
+    base, overlay = (yaml.safe_load(open(f"configs/full/{n}.yaml")) for n in ("params", "mmdit"))
+    p = parse_params(merged(base, overlay))
+    mmdit = family(p.models.denoiser.family)
+    config = mmdit.config(p.models.denoiser_spec)
+    assert (config["num_layers"], config["num_attention_heads"] * config["attention_head_dim"]) == (19, 1216)
+    assert sum(p.phases[n].samples * p.phases[n].epochs for n in ("phase0", "phase1")) == 348_400_000
+    assert [p.phases[n].batch_size * p.train.nproc_per_node * p.phases[n].grad_accum for n in ("phase0", "phase1")] == [
+        840,
+        480,
+    ]
+    assert p.phases["phase0"].caption_dropout == {"text_encoder": 0.316, "text_encoder_2": 0.316, "pooled": 0.1}
+    encoders = [architecture_config(h, "text_encoder") for h in (p.models.text_encoder, p.models.text_encoder_2)]
+    mmdit.check_text_widths(config, [e["hidden_size"] for e in encoders], [e["projection_dim"] for e in encoders])
+    assert {p.phase_objective(n) for n in p.phases} == {"flow_matching"}

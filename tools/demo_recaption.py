@@ -43,8 +43,14 @@ def make_workspace(out: Path) -> dict[str, Any]:
     resumes where the last one stopped); returns the params. ``out`` must be new, empty or this tool's workspace
     (its :data:`WORKSPACE_MARKER`); never the project or a folder around it (an :class:`InputError`)."""
     params = merged(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(RECAPTION_OVERLAY.read_text()))
-    check_scratch_dir(out, WORKSPACE_MARKER, "demo_recaption workspace", REPO, COPIED)
-    mark_scratch_dir(out, WORKSPACE_MARKER, "demo_recaption workspace")
+    return write_workspace(out, params, WORKSPACE_MARKER, "demo_recaption workspace")
+
+
+def write_workspace(out: Path, params: dict[str, Any], marker: str, label: str) -> dict[str, Any]:
+    """``out`` (new, empty, or holding ``marker``) with the DAG's code, ``params`` as its ``params.yaml`` and a DVC
+    repo without git (kept if it exists); returns ``params``."""
+    check_scratch_dir(out, marker, label, REPO, COPIED)
+    mark_scratch_dir(out, marker, label)
     for name in COPIED:
         src, dst = REPO / name, out / name
         if src.is_dir():

@@ -40,6 +40,7 @@ import yaml
 from flows.dvc_ops.dag import upstream_stages
 from sdforge.config import ConfigError, load_params
 from sdforge.demo.http_server import serve_directory
+from sdforge.eval.sampling import saved_family
 from sdforge.io import InputError
 from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
 from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
@@ -197,14 +198,13 @@ def stage_order(ws: Workspace, eval_all: bool) -> list[str]:
 
 def check_phase(ws: Workspace, phase: str, run: StageRun) -> None:
     """Record the phase's steps and checkpoint facts in ``run``; the EMA UNet must load with its full size."""
-    from diffusers import UNet2DConditionModel  # lazy: only once a phase has trained
-
     run_dir = ws.path("runs") / phase
     world = int(run.metrics.get("world_size", 1))
     run.steps = [(float(s["step_time_s"]), int(s["samples"]) * world) for s in read_steps(run_dir).values()]
     run.metrics["resumable_checkpoint_gib"] = round(_size(run_dir) / GIB, 2)
     run.metrics["phase_checkpoint_gib"] = round(_size(ws.path("checkpoints") / phase) / GIB, 2)
-    unet = UNet2DConditionModel.from_pretrained(ws.path("checkpoints") / phase / "unet_ema", use_safetensors=True)
+    folder = ws.path("checkpoints") / phase / "unet_ema"
+    unet = saved_family(folder).model_class().from_pretrained(folder, use_safetensors=True)
     run.metrics["unet_params"] = sum(p.numel() for p in unet.parameters())
     del unet
 

@@ -62,11 +62,12 @@ def build_random_vae(hub_id: str, seed: int) -> AutoencoderKL:
     return vae
 
 
-def build_random_text_encoder(hub_id: str, seed: int) -> CLIPTextModel:
-    """``hub_id``'s ``CLIPTextModel`` with seeded random weights, in eval mode with gradients off."""
+def build_random_text_encoder(hub_id: str, seed: int, encoder_class: type = CLIPTextModel) -> CLIPTextModel:
+    """``hub_id``'s text encoder (``encoder_class``: ``CLIPTextModel`` or ``…WithProjection``) with seeded random
+    weights, in eval mode with gradients off."""
     config = architecture_config(hub_id, "text_encoder")
     with seeded(seed):
-        model = CLIPTextModel(CLIPTextConfig.from_dict(config))
+        model = encoder_class(CLIPTextConfig.from_dict(config))
     model.eval().requires_grad_(False)
     log.info("built %s's text encoder architecture with random weights (seed %d): %d parameters",
              hub_id, seed, count_parameters(model))

@@ -36,7 +36,7 @@ class TextEncoderBuild(Section):
 
 
 class UNetSpec(Section):
-    """The keys of ``UNet2DConditionModel``'s config that this project sets."""
+    """The keys of the diffusers UNet's config that this project sets (the unet family, ``model/denoisers/unet.py``)."""
 
     sample_size: int = 64
     in_channels: int = 4
@@ -74,6 +74,52 @@ class UNetSpec(Section):
                 f"({len(self.up_block_types)}) must each have one entry per block_out_channels ({n})"
             )
         return self
+
+
+MMDIT_PRESETS: dict[str, dict] = {
+    "1.2b": {"num_layers": 19, "attention_head_dim": 64, "num_attention_heads": 19, "caption_projection_dim": 1216},
+    "2b": {"num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24, "caption_projection_dim": 1536},
+}
+"""Size presets of ``models.mmdit``: the second public run's ~1.2B (19 blocks, width 64×19) and an SD3-medium-like
+~2B (24 blocks, width 64×24); a key set beside ``preset`` overrides it (docs/MMDIT.md)."""
+
+
+class MMDiTSpec(Section):
+    """The keys of SD3's transformer config this project sets (``models.denoiser.family: mmdit``,
+    ``model/denoisers/mmdit.py``)."""
+
+    preset: Literal["1.2b", "2b"] | None = None
+    sample_size: int = Field(64, ge=1)
+    """Latent side it is built for (64: 512 px with SD's VAE)."""
+    patch_size: int = Field(2, ge=1)
+    in_channels: int = Field(4, ge=1)
+    """The VAE's latent channels: 4 (SD's), 16 (FLUX.1's)."""
+    out_channels: int = Field(4, ge=1)
+    num_layers: int = Field(19, ge=1)
+    attention_head_dim: int = Field(64, ge=1)
+    num_attention_heads: int = Field(19, ge=1)
+    joint_attention_dim: int = Field(2048, ge=1)
+    """Width the text sequence is padded to before the context embedder: ≥ the encoders' widths side by side
+    (CLIP-L 768 + bigG 1280 = 2048; SD3's 4096 is T5's width, which this project does not train with)."""
+    caption_projection_dim: int = Field(1216, ge=1)
+    pooled_projection_dim: int = Field(2048, ge=1)
+    """The encoders' projected pooled outputs side by side (768 + 1280 = 2048)."""
+    pos_embed_max_size: int = Field(96, ge=1)
+    """Largest latent side in patches the positional table covers (96: 1536 px with SD's VAE)."""
+    qk_norm: Literal["rms_norm", "layer_norm"] | None = "rms_norm"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data):
+        if isinstance(data, dict) and data.get("preset") in MMDIT_PRESETS:
+            return {**MMDIT_PRESETS[data["preset"]], **data}
+        return data
+
+
+class Denoiser(Section):
+    """Which model family denoises (``model/denoisers/``); its architecture is ``models.<family>``."""
+
+    family: Literal["unet", "mmdit"] = "unet"
 
 
 class NoiseSchedule(Section):
@@ -141,11 +187,29 @@ class Models(Section):
     """The file's SHA-256: a download that differs is refused (null: not checked, its hash is logged)."""
     vae_build: VaeBuild = VaeBuild()
     text_encoder_build: TextEncoderBuild = TextEncoderBuild()
+    text_encoder_2: Url = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"
+    """The second text encoder of a family that has two (``mmdit``: OpenCLIP ViT-bigG/14 with projection, as SD3);
+    its tokenizer must share the first's vocabulary (CLIP's BPE)."""
+    text_encoder_2_build: TextEncoderBuild = TextEncoderBuild(seed=1)
+    """The demo's second tiny text encoder (another draw: seed 1)."""
+    denoiser: Denoiser = Denoiser()
     unet: UNetSpec = UNetSpec()
+    mmdit: MMDiTSpec = MMDiTSpec()
     noise: NoiseSchedule = NoiseSchedule()
     captioner_build: CaptionerBuild | None = None
     """Train the demo captioner into ``paths.models``/captioner (null: none is built)."""
     seed: int = 0
+
+    @property
+    def denoiser_spec(self) -> dict:
+        """The architecture of ``denoiser.family``: the ``models.<family>`` section as a dict."""
+        return getattr(self, self.denoiser.family).model_dump()
+
+    def text_encoder_builds(self) -> list[tuple[TextEncoderBuild, int]]:
+        """The demo's text encoder builds with their seeds, as many as ``text_encoders`` (1 or 2)."""
+        second = self.text_encoder_2_build
+        return [(self.text_encoder_build, self.text_encoder_seed),
+                (second, self.seed + 1 if second.seed is None else second.seed)]  # fmt: skip
 
     @property
     def text_encoder_seed(self) -> int:

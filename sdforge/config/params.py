@@ -16,7 +16,7 @@ from sdforge.config.eval import Eval
 from sdforge.config.latents import BucketSet, Encode
 from sdforge.config.models import EVAL_CLIP_DIR, FID_INCEPTION_FILE, Models
 from sdforge.config.paths import Paths, Storage, Tracking
-from sdforge.config.phases import Phase
+from sdforge.config.phases import FAMILY_ADAPTER_TARGETS, FAMILY_CAPTION_PARTS, Phase
 from sdforge.config.sources import Source
 from sdforge.config.train import Train
 
@@ -101,6 +101,14 @@ class Params(Section):
                     f"phases.{name}.min_snr_gamma: Min-SNR-γ weights the diffusion objective's timesteps; set it "
                     "to null for a flow_matching phase"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _family_capabilities(self) -> Params:
+        """What a phase asks of ``models.denoiser.family`` it has, or an error naming the key."""
+        family = self.models.denoiser.family
+        for name, phase in self.phases.items():
+            _check_family_phase(family, name, phase, self.phase_objective(name))
         return self
 
     @model_validator(mode="after")
@@ -244,3 +252,38 @@ def _expanded_nodes(node: yaml.Node, sizes: dict[int, int]) -> int:
 
 def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
+
+
+FAMILY_OBJECTIVES = {"unet": ("diffusion", "flow_matching"), "mmdit": ("flow_matching",)}
+"""The objectives each ``models.denoiser.family`` trains (the families' ``objectives``; a test holds them equal)."""
+FAMILY_LACKS = {
+    "unet": {},
+    "mmdit": {
+        "adapter.words": "learned words are written into one text encoder's rows; the mmdit family has two, which "
+        "this version does not support — leave it []",
+        "distill": "consistency distillation is not supported for the mmdit family yet — remove it",
+    },
+}
+"""Phase capabilities a family does not have yet, with what to do."""
+
+
+def _check_family_phase(family: str, name: str, phase: Phase, objective: str) -> None:
+    """A ValueError naming the key of ``phases.<name>`` that the family cannot train (docs/MMDIT.md)."""
+    where = f"phases.{name}"
+    if objective not in FAMILY_OBJECTIVES[family]:
+        raise ValueError(f"{where}.objective (or train.objective): the {family} family trains "
+                         f"{' or '.join(FAMILY_OBJECTIVES[family])}; got {objective}")  # fmt: skip
+    unknown_parts = sorted(set(phase.caption_dropout) - set(FAMILY_CAPTION_PARTS[family]))
+    if unknown_parts:
+        raise ValueError(f"{where}.caption_dropout: {unknown_parts} are not conditioning parts of the {family} "
+                         f"family (its parts: {list(FAMILY_CAPTION_PARTS[family]) or 'none'})")  # fmt: skip
+    if phase.adapter is not None:
+        foreign = sorted(set(phase.adapter.targets) - set(FAMILY_ADAPTER_TARGETS[family]))
+        if foreign:
+            raise ValueError(f"{where}.adapter.targets: {foreign} are not layer groups of the {family} family "
+                             f"(its groups: {list(FAMILY_ADAPTER_TARGETS[family])})")  # fmt: skip
+    asked = {"adapter.words": phase.adapter is not None and bool(phase.adapter.words),
+             "distill": phase.distill is not None}  # fmt: skip
+    for key, why in FAMILY_LACKS[family].items():
+        if asked[key]:
+            raise ValueError(f"{where}.{key}: {why}")

@@ -9,10 +9,19 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 from sdforge.config.base import SCRATCH, Effect, SafeName, Section
 
 AdapterTarget = Literal[
-    "self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding", "pooled_text"
+    "self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding", "pooled_text",
+    "attention", "context_attention", "context_feed_forward", "modulation",
 ]
 ADAPTER_TARGETS = get_args(AdapterTarget)
-"""Layer groups an adapter may target; their diffusers module names are in :mod:`model.adapters` (``UNET_GROUPS``)."""
+"""Layer groups an adapter may target; their module names are each family's ``lora_groups`` (``model/denoisers/``)."""
+FAMILY_ADAPTER_TARGETS = {
+    "unet": ("self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding",
+             "pooled_text"),
+    "mmdit": ("attention", "context_attention", "feed_forward", "context_feed_forward", "modulation"),
+}  # fmt: skip
+"""The groups of each ``models.denoiser.family`` (a test holds them equal to the families' ``lora_groups``)."""
+FAMILY_CAPTION_PARTS = {"unet": (), "mmdit": ("text_encoder", "text_encoder_2", "pooled")}
+"""The conditioning parts ``phases.<p>.caption_dropout`` may name, per family (the families' ``cond_parts``)."""
 
 
 class Adapter(Section):
@@ -129,6 +138,11 @@ class Phase(Section):
     lr: float = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
     cfg_dropout: float = Field(0.1, ge=0, lt=1)
+    caption_dropout: dict[str, Annotated[float, Field(ge=0, lt=1)]] = {}
+    """Per conditioning part, the probability it alone is replaced by the empty prompt's (drawn per sample, after
+    ``cfg_dropout``'s whole-prompt drop). The mmdit family's parts: ``text_encoder``, ``text_encoder_2`` (each
+    encoder's sequence) and ``pooled`` (the second public MM-DiT run: 0.316 each sequence, so both 10 %, and 0.1
+    pooled). {}: none. The unet family has none to name."""
     min_snr_gamma: float | None = Field(5.0, gt=0)
     batch_size: int = Field(24, ge=1)
     grad_accum: int = Field(1, ge=1)

@@ -20,6 +20,8 @@ from diffusers import AutoencoderKL
 from transformers import CLIPTextModel, CLIPTokenizer
 
 from model.builders import build_tiny_text_encoder, build_tiny_vae, clip_vocab_and_merges, seeded
+from model.denoisers import DenoiserFamily
+from model.text_stack import text_part_dirs
 from model.vae_training import latent_scaling_factor, reconstruct, train_vae
 from sdforge.config import DemoData, Eval, Models
 from sdforge.demo.captioner import train_demo_captioner
@@ -140,35 +142,56 @@ def build_demo_vae(models: Models, demo: DemoData, pixels: int) -> tuple[Autoenc
 def build_demo_text_encoder(
     models: Models, demo: DemoData, eval_: Eval | None, tokenizer_dir: Path
 ) -> tuple[CLIPTokenizer, CLIPTextModel, int]:
-    """A tokenizer over the demo words (saved to ``tokenizer_dir``) and the tiny text encoder drawn with
-    ``models.text_encoder_build.seed`` (null: ``models.seed``); the number of demo words."""
+    """A tokenizer over the demo words (saved to ``tokenizer_dir``) and the first tiny text encoder (a
+    ``CLIPTextModel``, drawn with ``models.text_encoder_build.seed``; null: ``models.seed``); the number of words."""
     tb = models.text_encoder_build
     words = demo_words(demo, eval_)
     tokenizer = write_demo_tokenizer(words, tokenizer_dir, tb.max_position_embeddings)
-    text_encoder = build_tiny_text_encoder(
-        vocab_size=len(tokenizer),
-        hidden_size=tb.hidden_size,
-        intermediate_size=tb.intermediate_size,
-        num_hidden_layers=tb.num_hidden_layers,
-        num_attention_heads=tb.num_attention_heads,
-        max_position_embeddings=tb.max_position_embeddings,
-        seed=models.text_encoder_seed,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return tokenizer, text_encoder, len(words)
+    return tokenizer, _tiny_encoder(tokenizer, tb, models.text_encoder_seed, with_projection=False), len(words)
+
+
+def _tiny_encoder(tokenizer: CLIPTokenizer, tb, seed: int, with_projection: bool) -> CLIPTextModel:
+    """A seeded tiny CLIP text encoder over ``tokenizer``'s vocabulary, shaped by the ``TextEncoderBuild`` ``tb``."""
+    return build_tiny_text_encoder(
+        vocab_size=len(tokenizer), hidden_size=tb.hidden_size, intermediate_size=tb.intermediate_size,
+        num_hidden_layers=tb.num_hidden_layers, num_attention_heads=tb.num_attention_heads,
+        max_position_embeddings=tb.max_position_embeddings, seed=seed, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, with_projection=with_projection,
+    )  # fmt: skip
+
+
+def build_demo_text_encoders(
+    models: Models, demo: DemoData, eval_: Eval | None, out: Path, family: DenoiserFamily
+) -> tuple[list[CLIPTokenizer], list[CLIPTextModel], int]:
+    """The family's tokenizers over the demo words (one vocabulary, saved as ``out/tokenizer``, ``tokenizer_2``, …)
+    and tiny text encoders (the first drawn with ``models.text_encoder_build.seed`` — null: ``models.seed`` —, the
+    second with ``text_encoder_2_build``'s); the number of demo words."""
+    words = demo_words(demo, eval_)
+    tokenizers, encoders = [], []
+    builds = models.text_encoder_builds()[: family.text_encoders]
+    for (tb, seed), (_, tokenizer_dir) in zip(builds, text_part_dirs(family), strict=True):
+        tokenizer = write_demo_tokenizer(words, out / tokenizer_dir, tb.max_position_embeddings)
+        projection = family.text_encoder_class != "CLIPTextModel"
+        encoders.append(_tiny_encoder(tokenizer, tb, seed, with_projection=projection))
+        tokenizers.append(tokenizer)
+    return tokenizers, encoders, len(words)
 
 
 def build_demo_components(
-    models: Models, demo: DemoData, eval_: Eval | None, tokenizer_dir: Path, metrics: dict[str, Any]
-) -> tuple[CLIPTokenizer, CLIPTextModel, AutoencoderKL]:
-    """Demo: a tokenizer over the demo words (saved to ``tokenizer_dir``), a seeded tiny text encoder, a VAE
+    models: Models, demo: DemoData, eval_: Eval | None, out: Path, family: DenoiserFamily, metrics: dict[str, Any]
+) -> tuple[list[CLIPTokenizer], list[CLIPTextModel], AutoencoderKL]:
+    """Demo: the family's tokenizers over the demo words (saved under ``out``), seeded tiny text encoders, a VAE
     trained on demo renders; their figures go into ``metrics``."""
-    tokenizer, text_encoder, metrics["demo_words"] = build_demo_text_encoder(models, demo, eval_, tokenizer_dir)
-    pixels = models.unet.sample_size * 2 ** (len(models.vae_build.block_out_channels) - 1)
+    tokenizers, encoders, metrics["demo_words"] = build_demo_text_encoders(models, demo, eval_, out, family)
+    pixels = demo_pixels(models)
     vae, vae_metrics = build_demo_vae(models, demo, pixels)
     metrics.update(vae_metrics)
-    return tokenizer, text_encoder, vae
+    return tokenizers, encoders, vae
+
+
+def demo_pixels(models: Models) -> int:
+    """The demo denoiser's image side: its ``sample_size`` × the demo VAE's downsampling."""
+    return models.denoiser_spec["sample_size"] * 2 ** (len(models.vae_build.block_out_channels) - 1)
 
 
 def build_demo_captioner(models: Models, demo: DemoData, out: Path) -> dict[str, Any]:

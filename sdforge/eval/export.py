@@ -34,12 +34,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from diffusers import StableDiffusionPipeline
-
-from model.sampler import sampling_scheduler
 from sdforge.config import ConfigError, Tracking
 from sdforge.eval.export_target import EXPORT_MARKER
-from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, unmerged_adapter
+from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, trained_side, unmerged_adapter
 from sdforge.io import InputError, write_json
 from sdforge.output_dirs import (
     check_replaceable,
@@ -55,10 +52,11 @@ log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "diffusers_pipeline"
 EXPORT_ENTRIES = frozenset({
-    "model_index.json", "unet", "vae", "text_encoder", "tokenizer", "scheduler", "safety_checker",
-    "feature_extractor", "image_encoder", LORA_FILE, EXPORT_MARKER,
+    "model_index.json", "unet", "transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+    "text_encoder_3", "tokenizer_3", "scheduler", "safety_checker", "feature_extractor", "image_encoder", LORA_FILE,
+    EXPORT_MARKER,
 })  # fmt: skip
-"""What an export may hold at its top (``StableDiffusionPipeline``'s components, the LoRA file, the marker)."""
+"""What an export may hold at its top (the family's pipeline components, the LoRA file, the marker)."""
 TEMP_TAG, REPLACED_TAG = "export", "replaced"
 
 
@@ -106,14 +104,17 @@ def export_pipeline(
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=use_ema, device="cpu", fuse_adapter=not keep_lora)
     if keep_lora:  # the base UNet goes to unet/: drop the (unfused) LoRA layers, the weights stay the base's
         pipe.unet.unload_lora()
-    sd = _diffusers_pipeline(pipe)
+    sd = pipe.family.pipeline(pipe.unet, pipe.vae, pipe.text.encoders, pipe.text.tokenizers, pipe.scheduler())
     metrics = {
         "export_dir": str(out_dir),
         "checkpoint": str(checkpoint_dir),
         "checkpoint_hash": pipe.checkpoint_hash,
         "weights": "ema" if use_ema else "live",
-        "image_size": int(sd.unet.config.sample_size * sd.vae_scale_factor),
+        "pipeline": type(sd).__name__,
+        "image_size": trained_side(pipe),
         "scheduler": type(sd.scheduler).__name__,
+        **({"call": pipe.family.pipeline_call} if pipe.family.pipeline_call else {}),
+        **({"load": pipe.family.pipeline_load} if pipe.family.pipeline_load else {}),
         **({"adapter": "lora_file" if keep_lora else "fused"} if adapter is not None else {}),
         **_few_step_metrics(pipe),
     }
@@ -122,21 +123,7 @@ def export_pipeline(
     return metrics
 
 
-def _diffusers_pipeline(pipe) -> StableDiffusionPipeline:
-    """Our loaded pipeline as diffusers' ``StableDiffusionPipeline`` with the sampler ``generate`` uses."""
-    return StableDiffusionPipeline(
-        vae=pipe.vae,
-        text_encoder=pipe.text_encoder,
-        tokenizer=pipe.tokenizer,
-        unet=pipe.unet,
-        scheduler=sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift, pipe.distill),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
-def _write(sd: StableDiffusionPipeline, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: bool) -> None:
+def _write(sd, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: bool) -> None:
     """Save ``sd`` (and ``lora_file``) into a new temp folder beside ``out_dir``, the marker last, and rename it
     into place; on any failure remove the temp folder (ours) and leave ``out_dir`` as it was."""
     target = resolved(out_dir)  # written at the real folder: a symlink given as --out stays a link to it

@@ -12,15 +12,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from model.denoisers import DenoiserFamily, family_for_class, family_of
 from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
-from model.sampler import (
-    decode_to_uint8,
-    encode_prompts,
-    latent_shape_for,
-    sample_latents,
-    sampling_scheduler,
-    trained_image_side,
-)
+from model.sampler import decode_to_uint8, latent_shape_for, sample_latents, sampling_scheduler, trained_image_side
+from model.text_stack import TextStack, text_part_dirs
 from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
@@ -46,9 +41,10 @@ class Pipeline:
     """The pieces a sampler needs, loaded with ``from_pretrained`` from local directories."""
 
     unet: object
+    """The denoiser (any family's; the name is the first family's)."""
     vae: object
-    text_encoder: object
-    tokenizer: object
+    text: TextStack
+    """The family's tokenizers and text encoders."""
     train_scheduler_config: dict
     checkpoint_hash: str
     objective: str = "diffusion"
@@ -56,6 +52,24 @@ class Pipeline:
     flow_shift: float = 1.0
     distill: dict | None = None
     """A consistency-distilled phase's ``Distill`` options (state.json ``distill``): LCM / few-step sampling."""
+
+    @property
+    def family(self) -> DenoiserFamily:
+        return self.text.family
+
+    @property
+    def text_encoder(self):
+        """The first text encoder (learned words are written into it)."""
+        return self.text.text_encoder
+
+    @property
+    def tokenizer(self):
+        return self.text.tokenizer
+
+    def scheduler(self):
+        """The scheduler ``generate`` samples with, and an export writes (:func:`model.sampler.sampling_scheduler`)."""
+        return sampling_scheduler(self.train_scheduler_config, self.objective, self.flow_shift, self.distill,
+                                  flow_euler=self.family.flow_euler)  # fmt: skip
 
 
 def few_step_settings(pipe: Pipeline) -> tuple[int, float] | None:
@@ -113,6 +127,16 @@ def unmerged_adapter(checkpoint_dir: Path, use_ema: bool) -> Path | None:
     return folder
 
 
+def saved_family(folder: Path) -> DenoiserFamily:
+    """The denoiser family of a saved model folder, from its ``config.json``'s ``_class_name``; an InputError naming
+    the folder when it is none of the families'."""
+    try:
+        class_name = json.loads((folder / "config.json").read_text()).get("_class_name", "")
+        return family_for_class(class_name)
+    except (OSError, ValueError, AttributeError) as err:
+        raise InputError(f"{folder}: not a denoiser this project trains ({load_failure(err)})") from None
+
+
 def load_pipeline(
     models_dir: Path, checkpoint_dir: Path, use_ema: bool = True, device: str = "auto", fuse_adapter: bool = False
 ) -> Pipeline:
@@ -128,33 +152,38 @@ def load_pipeline(
     weights = checkpoint_dir / ("unet_ema" if use_ema else "unet")
     if not (weights / "config.json").is_file():
         raise InputError(f"{weights}: no UNet weights there (is {checkpoint_dir} a phase checkpoint?)")
-    for sub in ("vae", "text_encoder", "tokenizer", "scheduler"):
+    denoiser_family = saved_family(weights)
+    text_dirs = [d for pair in text_part_dirs(denoiser_family) for d in pair]
+    for sub in ("vae", *text_dirs, "scheduler"):
         if not (models_dir / sub).is_dir():
             raise InputError(f"{models_dir / sub}: missing (run `dvc repro prepare_models`)")
     # lazy: diffusers + transformers cost 4-6 s to import; the eval grid of a phase it skips never loads a model
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+    import transformers
+    from diffusers import AutoencoderKL, DDPMScheduler
+    from transformers import CLIPTokenizer
 
     retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
     reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
     state = checkpoint_state(checkpoint_dir)
-    unet = _load(UNet2DConditionModel, weights, retrain)
+    unet = _load(denoiser_family.model_class(), weights, retrain)
     adapter = unmerged_adapter(checkpoint_dir, use_ema)
     if adapter is not None:
         load_lora(unet, adapter)
         if fuse_adapter:
             fuse_lora(unet)
-    text_encoder = _load(CLIPTextModel, models_dir / "text_encoder", reprepare)
-    tokenizer = _load(CLIPTokenizer, models_dir / "tokenizer", reprepare, weights=False)
+    encoder_class = getattr(transformers, denoiser_family.text_encoder_class)
+    encoders, tokenizers = [], []
+    for encoder_dir, tokenizer_dir in text_part_dirs(denoiser_family):
+        encoders.append(_load(encoder_class, models_dir / encoder_dir, reprepare).to(dev).eval())
+        tokenizers.append(_load(CLIPTokenizer, models_dir / tokenizer_dir, reprepare, weights=False))
     words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
     if words.is_file():
-        apply_learned_words(text_encoder, tokenizer, words)
+        apply_learned_words(encoders[0], tokenizers[0], words)
     return Pipeline(
         unet=unet.to(dev).eval(),
         vae=_load(AutoencoderKL, models_dir / "vae", reprepare).to(dev).eval(),
-        text_encoder=text_encoder.to(dev).eval(),
-        tokenizer=tokenizer,
+        text=TextStack(denoiser_family, tokenizers, encoders),
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
         checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, words) if p is not None and p.exists())),
         objective=state.get("objective", "diffusion"),
@@ -181,7 +210,7 @@ def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:
 def load_lora(unet, folder: Path) -> None:
     """Apply the diffusers LoRA file in ``folder`` to ``unet`` the way ``load_lora_weights`` does (unfused)."""
     try:
-        unet.load_lora_adapter(str(folder), prefix="unet", weight_name=LORA_FILE)
+        unet.load_lora_adapter(str(folder), prefix=family_of(unet).lora_prefix, weight_name=LORA_FILE)
     except Exception as err:  # noqa: BLE001 - a file that does not apply is the folder's fault: one line
         failure = load_failure(err, with_type=True)
         raise InputError(f"{folder}: the LoRA does not apply to this UNet ({failure})") from None
@@ -221,16 +250,13 @@ def generate(
     """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``. ``width``
     and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64).
     ``guidance_scale <= 1``: no CFG, the negative prompt unused (as in ``StableDiffusionPipeline``)."""
-    device = next(pipe.unet.parameters()).device
-    scheduler = sampling_scheduler(pipe.train_scheduler_config, pipe.objective, pipe.flow_shift, pipe.distill)
+    scheduler = pipe.scheduler()
     shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
-    uncond = (
-        encode_prompts(pipe.tokenizer, pipe.text_encoder, [negative_prompt], device) if guidance_scale > 1 else None
-    )
+    uncond = pipe.text.encode_prompts([negative_prompt]) if guidance_scale > 1 else None
     images: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        cond = encode_prompts(pipe.tokenizer, pipe.text_encoder, chunk, device)
+        cond = pipe.text.encode_prompts(chunk)
         gens = [torch.Generator().manual_seed(s) for s in seeds[start : start + batch_size]]
         latents = sample_latents(
             pipe.unet,

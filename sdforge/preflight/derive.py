@@ -84,7 +84,7 @@ def _sample_source(name: str, source: dict[str, Any], cpus: int) -> dict[str, An
 def _local_models(models: dict[str, Any], project_root: Path) -> dict[str, Any]:
     """Local model folders made absolute (the workspace is elsewhere); missing weights built at random."""
     models = copy.deepcopy(models)
-    for key in ("vae", "text_encoder"):
+    for key in ("vae", "text_encoder", "text_encoder_2"):
         value = models.get(key)
         if isinstance(value, str) and (project_root / value).is_dir():
             models[key] = str((project_root / value).resolve())

@@ -1,11 +1,11 @@
 """An adapter phase's weight folders: the LoRA file diffusers' ``load_lora_weights`` reads, and plain UNets.
 
 ``adapter/`` and ``adapter_ema/`` hold ``pytorch_lora_weights.safetensors`` in diffusers' format (keys
-``unet.<module>.lora_A/B.weight``, and ``lora_magnitude_vector`` for DoRA), with the peft config (rank,
-alpha, DoRA) in its metadata, so ``StableDiffusionPipeline.load_lora_weights(folder)`` on the phase's base
-rebuilds the same adapter. A phase that learns words (``adapter.words``) adds ``learned_embeds.safetensors``
-(word → input-embedding row) to both. ``unet/`` and ``unet_ema/`` are ordinary diffusers UNet folders: the base with the
-adapter merged, or the base alone (``adapter.merge: false``).
+``unet.<module>.lora_A/B.weight`` — ``transformer.`` for the mmdit family —, and ``lora_magnitude_vector`` for
+DoRA), with the peft config (rank, alpha, DoRA) in its metadata, so the pipeline's ``load_lora_weights(folder)`` on
+the phase's base rebuilds the same adapter. A phase that learns words (``adapter.words``) adds
+``learned_embeds.safetensors`` (word → input-embedding row) to both. ``unet/`` and ``unet_ema/`` are ordinary
+diffusers denoiser folders: the base with the adapter merged, or the base alone (``adapter.merge: false``).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers.loaders import StableDiffusionLoraLoaderMixin
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
+from model.denoisers import family_of
 from model.learned_words import LEARNED_WORDS_FILE
 from sdforge.eval.sampling import LORA_FILE
 from sdforge.io import atomic_write_bytes
@@ -38,9 +38,7 @@ def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
     then loaded without its attention weights (diffusers 0.42; tests/sdforge/training/test_adapter_files.py)."""
     layers = get_peft_model_state_dict(unet)
     metadata = unet.peft_config["default"].to_dict()
-    StableDiffusionLoraLoaderMixin.save_lora_weights(
-        folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
-    )
+    family_of(unet).save_lora(folder, layers, metadata)
     path = folder / LORA_FILE  # its metadata map comes in hash order: same weights, other bytes each process
     atomic_write_bytes(path, sorted_header(path.read_bytes()))
     return path

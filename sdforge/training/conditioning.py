@@ -1,5 +1,6 @@
-"""The frozen parts a phase trains with, read from ``paths.models``: the noise scheduler, the tokenizer, the CLIP
-text encoder (eval mode, no gradients) and the empty prompt's embedding (for CFG dropout)."""
+"""The frozen parts a phase trains with, read from ``paths.models``: the noise scheduler, the family's tokenizers and
+CLIP text encoders (eval mode, no gradients: :class:`model.text_stack.TextStack`) and the empty prompt's embedding
+(for CFG dropout)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
 from diffusers import DDPMScheduler
 from safetensors.torch import load_file
-from transformers import CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTokenizer
 
+from model.denoisers import DenoiserFamily
 from model.diffusion import to_device
 from model.learned_words import LearnedWords, single_token_id
-from model.sampler import encode_prompts
+from model.text_stack import TextStack, text_part_dirs
 from sdforge.config import Train
 from sdforge.io import InputError
 
@@ -25,16 +28,17 @@ UNCOND_FILE = "uncond_embedding.safetensors"
 
 
 class Conditioning:
-    """Noise scheduler, tokenizer, frozen text encoder and empty-prompt embedding on ``device``."""
+    """Noise scheduler, the family's tokenizers and frozen text encoders, and the empty-prompt embedding on
+    ``device``."""
 
-    def __init__(self, models: Path, device: torch.device, text_encoder_dtype: str):
+    def __init__(self, models: Path, device: torch.device, text_encoder_dtype: str, family: DenoiserFamily):
         self.scheduler = DDPMScheduler.from_pretrained(models / "scheduler")
         # on the device once: add_noise / get_velocity / compute_snr then index it there instead of copying it up
         # (a synchronising copy) every micro-batch; the same values
         self.scheduler.alphas_cumprod = self.scheduler.alphas_cumprod.to(device)
-        self.tokenizer = CLIPTokenizer.from_pretrained(models / "tokenizer")
-        self.text_encoder = _frozen_text_encoder(models, device, text_encoder_dtype)
-        self.uncond = _uncond_embedding(models, self.tokenizer, self.text_encoder, device)
+        self.text = load_text_stack(models, family, device, text_encoder_dtype)
+        self.tokenizer, self.text_encoder = self.text.tokenizer, self.text.text_encoder
+        self.uncond = _uncond_embedding(models, self.text, device)
         self.device = device
         self.words: LearnedWords | None = None
         """The phase's learned words (``adapter.words``), hooked into the encoder; None: it is frozen whole."""
@@ -55,7 +59,11 @@ class Conditioning:
         """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32);
         differentiable only through learned words' rows."""
         with torch.set_grad_enabled(self.words is not None and torch.is_grad_enabled()):
-            return self.text_encoder(to_device(input_ids, self.device))[0].float()
+            return self.text.encode_ids(to_device(input_ids, self.device)).float()
+
+    def caption_parts(self, rates: dict[str, float]) -> list:
+        """``phases.<p>.caption_dropout`` as ``(part, rate)`` pairs in the family's part order."""
+        return [(part, rates[part.name]) for part in self.text.parts() if rates.get(part.name)]
 
 
 def word_token_id(tokenizer, word: str, where: str) -> int:
@@ -68,21 +76,27 @@ def word_token_id(tokenizer, word: str, where: str) -> int:
         ) from None
 
 
-def _frozen_text_encoder(models: Path, device: torch.device, dtype_name: str):
-    """The CLIP text encoder on ``device`` in eval mode without gradients; bf16 only on CUDA when asked."""
+def load_text_stack(models: Path, family: DenoiserFamily, device: torch.device, dtype_name: str = "fp32") -> TextStack:
+    """The family's tokenizers and text encoders from ``models`` (on ``device``, eval mode, no gradients; bf16 only
+    on CUDA when ``dtype_name`` asks)."""
     dtype = torch.bfloat16 if device.type == "cuda" and dtype_name == "bf16" else torch.float32
-    text_encoder = CLIPTextModel.from_pretrained(models / "text_encoder")
-    text_encoder.to(device, dtype=dtype).eval()
-    text_encoder.requires_grad_(False)
-    return text_encoder
+    encoder_class = getattr(transformers, family.text_encoder_class)
+    tokenizers, encoders = [], []
+    for encoder_dir, tokenizer_dir in text_part_dirs(family):
+        tokenizers.append(CLIPTokenizer.from_pretrained(models / tokenizer_dir))
+        encoder = encoder_class.from_pretrained(models / encoder_dir)
+        encoder.to(device, dtype=dtype).eval()
+        encoder.requires_grad_(False)
+        encoders.append(encoder)
+    return TextStack(family, tokenizers, encoders)
 
 
-def _uncond_embedding(models: Path, tokenizer, text_encoder, device: torch.device) -> torch.Tensor:
+def _uncond_embedding(models: Path, text: TextStack, device: torch.device) -> torch.Tensor:
     """The empty prompt's embedding: the one prepare_models wrote, else encoded now."""
     uncond_file = models / UNCOND_FILE
     if uncond_file.is_file():
         return load_file(uncond_file)["uncond"].to(device)
-    return encode_prompts(tokenizer, text_encoder, [""], device).float()
+    return text.encode_prompts([""]).float()
 
 
 def set_kernel_policy(cfg: Train, device: torch.device) -> None:

@@ -4,10 +4,11 @@ holds it against the ``train`` stage's ``deps`` and ``params`` in ``dvc.yaml``.
 A phase's weights are a function of
 - **params**: the keys of ``train`` and ``phases.<p>`` that the config classes mark :attr:`Effect.WEIGHTS`
   (:func:`sdforge.config.key_effect`; reporting, retention and failure-handling keys are ``NONE``, the
-  job's shape is ``JOB``: a run resumes across a change of those), and all of ``models.unet`` and
-  ``models.noise``;
+  job's shape is ``JOB``: a run resumes across a change of those), all of ``models.unet`` and
+  ``models.noise``, and the keys of ``models.denoiser`` and ``models.mmdit`` that differ from their defaults (so a
+  run recorded before the MM-DiT family existed keeps its fingerprint, and any change of them changes the record);
 - **files** (:data:`INPUT_FILES`): the phase's index, its init weights, the models it trains with (noise
-  scheduler, tokenizer, frozen text encoder, empty-prompt embedding) and the latent shards its index points
+  scheduler, tokenizer(s), frozen text encoder(s), empty-prompt embedding) and the latent shards its index points
   into (identified by what ``encode_latents`` records of each shard: input tar sha256, encoder, captions,
   sample count — reading shard metadata, not terabytes of latents).
 
@@ -28,13 +29,16 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from sdforge.config import Effect, Params, Phase, Train, key_effect
+from sdforge.config import Effect, MMDiTSpec, Params, Phase, Train, key_effect
+from sdforge.config.models import Denoiser
 from sdforge.latents.store import part_name, resolution_dir
 
-INPUT_PARAMS = ("phases.${key}", "train", "models.unet", "models.noise")
+INPUT_PARAMS = ("phases.${key}", "train", "models.unet", "models.noise", "models.denoiser", "models.mmdit")
 """The params sections a phase's weights read, as ``dvc.yaml`` lists them (``train`` and ``phases.${key}`` are
-filtered by :func:`sdforge.config.key_effect`)."""
+filtered by :func:`sdforge.config.key_effect`; :data:`NON_DEFAULT_SECTIONS` keep their non-default keys only)."""
 FILTERED_SECTIONS = {"train": Train, "phases.${key}": Phase}
+NON_DEFAULT_SECTIONS = {"models.denoiser": Denoiser, "models.mmdit": MMDiTSpec}
+"""Sections added with the MM-DiT family: recorded only where they differ from their defaults."""
 
 INPUT_FILES = {
     "index": "${paths.mixes}/${key}.parquet",
@@ -44,8 +48,11 @@ INPUT_FILES = {
     "latents": "${paths.latents}",
 }
 """The files a phase's weights read, by name, as ``dvc.yaml`` lists them."""
-MODEL_FILES = ("scheduler", "tokenizer", "text_encoder", "uncond_embedding.safetensors")
-"""What training reads of ``paths.models`` (the VAE only samples validation images, which change no weight)."""
+MODEL_FILES = (
+    "scheduler", "tokenizer", "text_encoder", "uncond_embedding.safetensors", "tokenizer_2", "text_encoder_2",
+)  # fmt: skip
+"""What training reads of ``paths.models`` (the VAE only samples validation images, which change no weight); the
+second encoder's folders exist for the mmdit family only (a missing folder adds nothing to the digest)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,10 @@ def weight_params(params: Params, phase_name: str) -> dict:
         for part in path.split("."):
             values = values[part]
         model = FILTERED_SECTIONS.get(section)
+        defaults = NON_DEFAULT_SECTIONS[section]().model_dump(mode="json") if section in NON_DEFAULT_SECTIONS else {}
         for key, value in values.items():
+            if key in defaults and value == defaults[key]:
+                continue
             if model is None or key_effect(model, key) is Effect.WEIGHTS:
                 out[f"{path}.{key}"] = value
     return out

@@ -11,6 +11,7 @@ import logging
 import os
 from pathlib import Path
 
+from model.denoisers import family
 from model.speed import CUDA_ONLY, attention_backends, deterministic_attention
 from sdforge.config import Params
 from sdforge.io import InputError
@@ -66,15 +67,17 @@ class TrainJob(JobEvents):
         paths = params.paths
         index = Path(paths.mixes) / f"{phase_name}.parquet"
         self.data = LatentIndexDataset(index, Path(paths.latents), params.phase_resolution(phase_name))
-        self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype)
+        self.family = family(params.models.denoiser.family)
+        self.conditioning = Conditioning(Path(paths.models), dist.device, self.cfg.text_encoder_dtype, self.family)
+        self.caption_parts = self.conditioning.caption_parts(self.phase.caption_dropout)
+        """``phases.<p>.caption_dropout`` as ``(part, rate)`` pairs (none: only ``cfg_dropout``'s whole prompt)."""
         self.objective = params.phase_objective(phase_name)
         words = self.phase.adapter.words if self.phase.adapter is not None else []
         learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
         self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned)
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
-        self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where,
-                                  self.model.unet.config)  # fmt: skip
+        self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where, self.model.unet)
         self.set_global_batch(self.phase.batch_size * self.phase.grad_accum * dist.world)
         self.state = TrainState(self.cfg.seed, dist.rank)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from diffusers import UNet2DConditionModel
 
 from model.diffusion import TrainingEMA, build_lr_scheduler
 from model.posthoc_ema import PowerEMAs
@@ -17,7 +16,7 @@ from sdforge.training.optimizers import build_optimizer
 class Optimization:
     """Optimizer, LR schedule and EMA of ``trainable``; :meth:`plan` (re)builds the schedule for a step count."""
 
-    def __init__(self, trainable: list, phase: Phase, cfg: Train, device: torch.device, where: str, unet_config):
+    def __init__(self, trainable: list, phase: Phase, cfg: Train, device: torch.device, where: str, model):
         self.trainable, self.cfg = trainable, cfg
         self.peak_lr, self.warmup_steps = phase.lr, phase.warmup_steps
         self.optimizer = build_optimizer(phase.optimizer, trainable, phase.lr, cfg, device, where)
@@ -28,8 +27,8 @@ class Optimization:
             decay=cfg.ema_decay,
             every=cfg.ema_update_every,
             foreach=self.ema_device.type == "cuda",  # one kernel per update on CUDA; CPU keeps its exact sums
-            model_cls=UNet2DConditionModel,
-            model_config=unet_config,
+            model_cls=None if model is None else type(model),  # what diffusers' EMAModel would save it as
+            model_config=getattr(model, "config", None),
         )
         self.ema.to(self.ema_device)
         rels = cfg.posthoc_sigma_rels if phase.posthoc_ema else []

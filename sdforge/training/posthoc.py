@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from model.posthoc_ema import combine, gamma_of, synthesis_coefficients
 from sdforge.config import Params
+from sdforge.eval.sampling import saved_family
 from sdforge.io import naming_write_faults
 from sdforge.output_dirs import refuse_workspace_target, resolved
 from sdforge.training.checkpoints import POSTHOC_DIR
@@ -98,15 +99,12 @@ def write_candidate_checkpoint(checkpoint_dir: Path, run_dir: Path, name: str, o
     candidate ``name`` (:func:`candidate_weights`, at ``step``) instead of the exported EMA: to sample or score
     another EMA length of a finished phase. Returns ``out_dir``; an :class:`~sdforge.io.InputError` when it
     overlaps the checkpoint or the run dir it reads."""
-    # lazy: diffusers' import costs seconds, and only this offline export needs it here
-    from diffusers import UNet2DConditionModel
-
     read = {f"the checkpoint {checkpoint_dir}": resolved(checkpoint_dir), f"the run dir {run_dir}": resolved(run_dir)}
     refuse_workspace_target(out_dir, "out_dir", read, [])  # it is replaced whole below
     weights = candidate_weights(run_dir, name, step)
     shutil.rmtree(out_dir, ignore_errors=True)  # out_dir is the caller's scratch copy, never a phase's checkpoint
     shutil.copytree(checkpoint_dir, out_dir)
-    unet = UNet2DConditionModel.from_pretrained(out_dir / "unet_ema")
+    unet = saved_family(out_dir / "unet_ema").model_class().from_pretrained(out_dir / "unet_ema")
     params = [p for p in unet.parameters() if p.requires_grad]
     if len(params) != len(weights):
         raise ValueError(f"{run_dir}: candidate {name} has {len(weights)} tensors, the UNet {len(params)} "

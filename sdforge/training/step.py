@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model.diffusion import cfg_dropout, denoising_loss, to_device
+from model.diffusion import cfg_dropout, denoising_loss, part_dropout, to_device
 from model.flow_matching import flow_matching_loss
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
@@ -122,6 +122,7 @@ def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch
     cond = job.conditioning.encode(input_ids)
     gens = part_generators(seeds)
     cond = cfg_dropout(cond, job.conditioning.uncond, job.phase.cfg_dropout, gens)
+    cond = part_dropout(cond, job.conditioning.uncond, job.caption_parts, gens)
     bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
     with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):

@@ -11,10 +11,10 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 
-from model.adapters import UNET_GROUPS, add_adapter, count_parameters, lora_config, target_pattern
+from model.adapters import add_adapter, count_parameters, lora_config, target_pattern
+from model.denoisers import DenoiserFamily, family, family_of
 from model.learned_words import LearnedWords
 from model.speed import compile_unet
 from sdforge.config import SCRATCH, Adapter, Params, Phase
@@ -73,7 +73,7 @@ class FullUNet:
 
     def load_live(self, ckpt: Path) -> None:
         """Inverse of :meth:`write_live`; a CheckpointError naming the folder when they do not fit."""
-        live = _checkpoint_unet_weights(ckpt / "unet")
+        live = _checkpoint_unet_weights(ckpt / "unet", family_of(self.unet))
         try:
             self.unet.load_state_dict(live)
         except (RuntimeError, ValueError) as err:
@@ -172,11 +172,12 @@ def build_trained_model(
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
-    unet = load_init_unet(init_dir, weights, params.models.unet.model_dump())
+    denoiser_family = family(params.models.denoiser.family)
+    unet = load_init_unet(init_dir, weights, params.models.denoiser_spec, denoiser_family)
     if phase.init_path:
         load_foreign_weights(unet, Path(phase.init_path))
     if phase.adapter is not None:
-        _add_unet_adapter(unet, phase.adapter)
+        _add_unet_adapter(unet, phase.adapter, denoiser_family)
     unet.to(dist.device).train()
     if cfg.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -188,9 +189,11 @@ def build_trained_model(
     return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
 
 
-def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter) -> None:
-    """Freeze ``unet`` and add the phase's LoRA/DoRA (:mod:`model.adapters`); log trainable vs total weights."""
-    config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, target_pattern(spec.targets, UNET_GROUPS))
+def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: DenoiserFamily) -> None:
+    """Freeze ``unet`` and add the phase's LoRA/DoRA on the family's target groups (:mod:`model.adapters`); log
+    trainable vs total weights."""
+    pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
+    config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern)
     add_adapter(unet, config)
     n_train, n_base = count_parameters(unet)
     log.info(
@@ -211,7 +214,7 @@ def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     return unet
 
 
-def _checkpoint_unet_weights(unet_dir: Path) -> dict[str, torch.Tensor]:
+def _checkpoint_unet_weights(unet_dir: Path, denoiser_family: DenoiserFamily) -> dict[str, torch.Tensor]:
     """The live UNet state dict of a training checkpoint, from safetensors only; a CheckpointError naming the dir."""
     if not any(unet_dir.glob("*.safetensors")):
         found = sorted(p.name for p in unet_dir.iterdir()) if unet_dir.is_dir() else []
@@ -219,7 +222,7 @@ def _checkpoint_unet_weights(unet_dir: Path) -> dict[str, torch.Tensor]:
             f"{unet_dir}: no .safetensors weights (found {found or 'nothing'}); other formats are never loaded"
         )
     try:
-        return UNet2DConditionModel.from_pretrained(unet_dir, use_safetensors=True).state_dict()
+        return denoiser_family.model_class().from_pretrained(unet_dir, use_safetensors=True).state_dict()
     except Exception as err:
         raise CheckpointError(f"{unet_dir}: cannot load the UNet ({first_line(err)})") from err
 

@@ -1,7 +1,8 @@
-"""Where a phase's UNet starts: a previous phase's checkpoint, optionally overwritten by a foreign state dict.
+"""Where a phase's denoiser starts: a previous phase's checkpoint, optionally overwritten by a foreign state dict.
 
-Either way the architecture must be the one ``params.yaml`` describes (``models.unet``); a mismatch is
-an :class:`~sdforge.io.InputError` naming the key.
+Either way the architecture must be the one ``params.yaml`` describes (``models.<family>``); a mismatch is
+an :class:`~sdforge.io.InputError` naming the key. The checkpoint folders keep their first family's names
+(``unet/``, ``unet_ema/``) whatever the family: they hold the denoiser in diffusers format.
 """
 
 from __future__ import annotations
@@ -10,44 +11,33 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file
 
+from model.denoisers import DenoiserFamily
 from model.weights import load_state_dict_strict, strip_wrapper_prefixes, unnest_state_dict
+from sdforge.eval.sampling import saved_family
 from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
 
-ARCH_KEYS = (
-    "block_out_channels",
-    "layers_per_block",
-    "cross_attention_dim",
-    "attention_head_dim",
-    "down_block_types",
-    "up_block_types",
-    "in_channels",
-    "out_channels",
-    "addition_embed_type",
-    "norm_num_groups",
-)
-
-
-def load_init_unet(init_dir: Path, weights: str, spec: dict):
-    """The phase's starting UNet; architecture keys must equal ``models.unet``'s, else a clear error."""
+def load_init_unet(init_dir: Path, weights: str, spec: dict, family: DenoiserFamily | None = None):
+    """The phase's starting denoiser of ``family`` (None: the family its folder's config names); the family's
+    architecture keys must equal ``spec``'s (``models.<family>``), else a clear error."""
     sub = "unet_ema" if weights == "ema" else "unet"
     path = init_dir / sub
     if not (path / "config.json").is_file():
         raise InputError(f"{path}: no UNet checkpoint to start from (run the previous phase or prepare_models)")
+    family = saved_family(path) if family is None else family
     try:
-        unet = UNet2DConditionModel.from_pretrained(path, use_safetensors=True)
+        unet = family.model_class().from_pretrained(path, use_safetensors=True)
     except Exception as err:  # a damaged or pickle-only folder: the file's fault, named in one line
         raise InputError(
             f"{path}: cannot load the UNet ({load_failure(err, with_type=True)}); re-run the stage that wrote it"
         ) from None
-    for key in ARCH_KEYS:
+    for key in family.architecture_keys():
         want, got = spec.get(key), unet.config.get(key)
         if _norm(want) != _norm(got):
-            raise InputError(f"{path}: checkpoint has {key}={got!r} but params models.unet.{key}={want!r}")
+            raise InputError(f"{path}: checkpoint has {key}={got!r} but params models.{family.spec_key}.{key}={want!r}")
     return unet
 
 

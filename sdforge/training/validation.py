@@ -43,8 +43,7 @@ class Validator:
         pipe = Pipeline(
             unet,
             self.vae,
-            cond.text_encoder,
-            cond.tokenizer,
+            cond.text,
             dict(cond.scheduler.config),
             checkpoint_hash="",
             objective=job.objective,

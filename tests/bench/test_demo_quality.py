@@ -64,6 +64,8 @@ def test_another_text_encoder_draw_is_built_beside_the_shared_models(tmp_path):
     from transformers import CLIPTextModel
 
     from bench.demo_quality import use_text_encoder_draw
+    from model.denoisers import family
+    from model.text_stack import TextStack
     from sdforge.config import load_params
     from sdforge.demo.models import build_demo_text_encoder
     from stages.prepare_models import save_uncond_embedding
@@ -74,7 +76,8 @@ def test_another_text_encoder_draw_is_built_beside_the_shared_models(tmp_path):
     models = tmp_path / "models"
     tokenizer, encoder, _ = build_demo_text_encoder(p.models, p.demo, p.eval, models / "tokenizer")
     encoder.save_pretrained(models / "text_encoder")
-    shipped = save_uncond_embedding(tokenizer, encoder, models / "uncond_embedding.safetensors")
+    shipped = save_uncond_embedding(TextStack(family("unet"), [tokenizer], [encoder]),
+                                    models / "uncond_embedding.safetensors")
     (tmp_path / "w0").mkdir()
     same = seed_params(base, tmp_path / "w0", seed=0, quick=False)
     assert use_text_encoder_draw(base, same, tmp_path / "w0") is same  # params' own draw: the shared folder

@@ -205,14 +205,14 @@ def test_an_optimizer_step_does_not_synchronise_the_host_until_its_one_read():
     dist = Dist(0, 1, 0, torch.device("cuda"))
     cfg, phase = Train(ema_decay=0.9), Phase(mix={"a": 1.0}, samples=8, lr=1e-4, warmup_steps=1, cfg_dropout=0.5)
     model = FullUNet(_unet(), dist)
-    optim = Optimization(model.trainable, phase, cfg, dist.device, "test", model.unet.config)
+    optim = Optimization(model.trainable, phase, cfg, dist.device, "test", model.unet)
     optim.plan(10)
     scheduler = noise_scheduler(NoiseSchedule().model_dump())
     scheduler.alphas_cumprod = scheduler.alphas_cumprod.cuda()
     _, _, cond = _batch()
     conditioning = SimpleNamespace(encode=lambda ids: cond, uncond=torch.zeros(1, 77, 64, device="cuda"),
                                    scheduler=scheduler)  # fmt: skip
-    job = SimpleNamespace(dist=dist, conditioning=conditioning, phase=phase, cfg=cfg, model=model,
+    job = SimpleNamespace(dist=dist, conditioning=conditioning, phase=phase, cfg=cfg, model=model, caption_parts=[],
                           objective="diffusion", attention=None)  # fmt: skip
     state, latents, ids = TrainState(0, 0), torch.randn(4, 4, 16, 16), torch.zeros(4, 77, dtype=torch.long)
 

@@ -138,6 +138,11 @@ def test_a_pattern_that_matches_nothing_is_a_clear_error():
 
 
 def test_the_params_target_names_are_exactly_the_groups_mapped_here():
+    from model.denoisers import FAMILIES
     from sdforge.config import ADAPTER_TARGETS
+    from sdforge.config.phases import FAMILY_ADAPTER_TARGETS
 
-    assert sorted(ADAPTER_TARGETS) == sorted(UNET_GROUPS)
+    assert {name: sorted(f.lora_groups) for name, f in FAMILIES.items()} == {
+        name: sorted(groups) for name, groups in FAMILY_ADAPTER_TARGETS.items()
+    }
+    assert sorted(ADAPTER_TARGETS) == sorted({g for f in FAMILIES.values() for g in f.lora_groups})

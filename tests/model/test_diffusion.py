@@ -134,6 +134,8 @@ def test_noise_offset_shifts_each_channel_mean():
     seen = {}
 
     class Spy(torch.nn.Module):
+        denoiser_family = "unet"  # called like a UNet (model.denoisers.family_of)
+
         def forward(self, x, t, encoder_hidden_states):
             seen["x"] = x
             return type("Out", (), {"sample": torch.zeros_like(x)})()

@@ -15,6 +15,8 @@ class Spy(torch.nn.Module):
         super().__init__()
         self.out, self.seen = out, {}
 
+    denoiser_family = "unet"  # called like a UNet (model.denoisers.family_of)
+
     def forward(self, x, t, encoder_hidden_states):
         self.seen.update(x=x, t=t)
         return type("Out", (), {"sample": self.out if self.out is not None else torch.zeros_like(x)})()

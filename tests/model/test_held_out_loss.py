@@ -14,6 +14,8 @@ class Constant(torch.nn.Module):
         super().__init__()
         self.value, self.seen = value, []
 
+    denoiser_family = "unet"  # called like a UNet (model.denoisers.family_of)
+
     def forward(self, x, t, encoder_hidden_states=None):
         self.seen.append(t.clone())
         return type("Out", (), {"sample": torch.full_like(x, self.value)})()

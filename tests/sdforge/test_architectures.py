@@ -16,6 +16,8 @@ from sdforge.architectures import (
 from sdforge.config import ConfigError
 
 VAE_ID, CLIP_ID = "stabilityai/sd-vae-ft-mse", "openai/clip-vit-large-patch14"
+BIGG_ID = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"
+"""The second text encoder of the mmdit family (SD3's OpenCLIP ViT-bigG/14)."""
 
 
 def _n_params(module: torch.nn.Module) -> int:
@@ -38,8 +40,17 @@ def text_encoder():
 
 
 def test_known_architectures_are_keyed_by_hub_id():
-    assert known_architectures() == [CLIP_ID, VAE_ID]
-    assert known_architectures("vae") == [VAE_ID] and known_architectures("text_encoder") == [CLIP_ID]
+    assert known_architectures() == [BIGG_ID, CLIP_ID, VAE_ID]
+    assert known_architectures("vae") == [VAE_ID] and known_architectures("text_encoder") == [BIGG_ID, CLIP_ID]
+
+
+def test_bigg_is_built_with_its_real_size_and_projection():
+    from transformers import CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        bigg = build_random_text_encoder(BIGG_ID, 0, CLIPTextModelWithProjection)
+    assert (bigg.config.hidden_size, bigg.config.num_hidden_layers, bigg.config.projection_dim) == (1280, 32, 1280)
+    assert _n_params(bigg) == 694_659_840  # OpenCLIP ViT-bigG/14's text tower + projection
 
 
 def test_tokenizer_gives_clips_real_ids(tokenizer, tmp_path_factory):
@@ -105,5 +116,5 @@ def test_unknown_id_names_the_id_the_key_and_the_known_ids(build, hub_id, key):
         build(hub_id, 0)
     message = str(err.value)
     assert message.startswith(key + ":") and repr(hub_id) in message
-    known = VAE_ID if key == "models.vae" else CLIP_ID
-    assert repr([known]) in message
+    known = [VAE_ID] if key == "models.vae" else [BIGG_ID, CLIP_ID]
+    assert repr(known) in message

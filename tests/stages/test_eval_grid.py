@@ -105,8 +105,8 @@ def test_categories_config():
 
 
 def test_a_distilled_phase_samples_every_category_with_its_few_steps_and_no_cfg():
-    ordinary = Pipeline(None, None, None, None, {}, "")
-    distilled = Pipeline(None, None, None, None, {}, "", distill=Distill(sampling_steps=4).model_dump())
+    ordinary = Pipeline(None, None, None, {}, "")
+    distilled = Pipeline(None, None, None, {}, "", distill=Distill(sampling_steps=4).model_dump())
     assert [grid.category_settings(distilled, CFG, c) for c in ("shapes", "cats")] == [(4, 1.0), (4, 1.0)]
     assert [grid.category_settings(ordinary, CFG, c) for c in ("shapes", "cats")] == [(3, 3.0), (2, 5.0)]
     figures = {"unet_calls_per_image": 4, "sampling_steps": 4, "guidance_scale": 1}

@@ -120,6 +120,7 @@ def test_uncond_embedding_is_the_empty_prompt_encoded_once(built):
 def test_trainer_reads_the_uncond_file_and_falls_back_without_it(fresh_workspace):
     from safetensors.torch import save_file
 
+    from model.denoisers import family
     from sdforge.config import load_params
     from sdforge.training.conditioning import Conditioning
 
@@ -129,9 +130,9 @@ def test_trainer_reads_the_uncond_file_and_falls_back_without_it(fresh_workspace
     marker = torch.full_like(computed, 0.25)
     save_file({"uncond": marker}, path)
     models, cpu = Path(params.paths.models), torch.device("cpu")
-    assert torch.equal(Conditioning(models, cpu, "fp32").uncond, marker)
+    assert torch.equal(Conditioning(models, cpu, "fp32", family("unet")).uncond, marker)
     path.unlink()
-    assert torch.equal(Conditioning(models, cpu, "fp32").uncond, computed)  # encodes "" itself, as before
+    assert torch.equal(Conditioning(models, cpu, "fp32", family("unet")).uncond, computed)  # encodes "" itself
 
 
 def test_two_runs_give_identical_weights_and_replace_stale_outputs(built, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
+from model.denoisers import family
 from sdforge.training.checkpoints import PREFIX, STATE
 from sdforge.training.posthoc import POSTHOC_DIR, rebuild, snapshot_steps
 from tests.fixtures.training import build_workspace, edit_params, train, untrained_clone, weights
@@ -124,7 +125,8 @@ def test_every_candidate_can_be_read_back_and_scored_offline(straight, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(candidate_weights(run, "0.15", step=2), early, strict=True))
     params = load_params(straight)
     held_out = HeldOutLoss.for_phase(params, "phase1")
-    conditioning = Conditioning(root / "models", torch.device("cpu"), params.train.text_encoder_dtype)
+    conditioning = Conditioning(root / "models", torch.device("cpu"), params.train.text_encoder_dtype,
+                                family(params.models.denoiser.family))
     before = {n: t.clone() for n, t in exported.items()}
     for name in [c for c in ("fixed", "0.05", "0.15", "0.25") if c != chosen]:
         out = write_candidate_checkpoint(checkpoint, run, name, tmp_path / name)

@@ -22,6 +22,8 @@ SCHED = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear", p
 class Spy(torch.nn.Module):
     """Records the UNet's input and timesteps; predicts zeros."""
 
+    denoiser_family = "unet"  # called like a UNet (model.denoisers.family_of)
+
     def forward(self, x, t, encoder_hidden_states):
         self.x, self.t = x, t
         return type("Out", (), {"sample": torch.zeros_like(x)})()

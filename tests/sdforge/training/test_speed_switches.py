@@ -38,14 +38,14 @@ def _losses(
     else:  # the switch's logic with a cheaper backend than inductor
         _compile_with(unet, compile_, backend)
     model = FullUNet(unet, CPU)
-    optim = Optimization(model.trainable, phase, cfg, CPU.device, "test", unet.config)
+    optim = Optimization(model.trainable, phase, cfg, CPU.device, "test", unet)
     optim.plan(STEPS)
     gen = torch.Generator().manual_seed(1)
     cond = torch.randn(BATCH, 77, TRAIN_UNET["cross_attention_dim"], generator=gen)
     conditioning = SimpleNamespace(encode=lambda ids: cond, uncond=torch.zeros(1, 77, cond.shape[-1]),
                                    scheduler=noise_scheduler(NoiseSchedule().model_dump()))  # fmt: skip
     job = SimpleNamespace(dist=CPU, conditioning=conditioning, phase=phase, cfg=cfg, model=model, objective="diffusion",
-                          attention=attention_backends(attention, CPU.device))  # fmt: skip
+                          caption_parts=[], attention=attention_backends(attention, CPU.device))  # fmt: skip
     state, latents, losses = TrainState(0, 0), torch.randn(BATCH, 4, 8, 8, generator=gen), []
     for step in range(1, STEPS + 1):
         per_sample = micro_step(job, latents, torch.zeros(BATCH, 77, dtype=torch.long),
