@@ -103,3 +103,27 @@ def test_preflight_prunes_only_its_trained_run_dirs_and_checkpoints_no_later_sta
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*")) == [
         "ckpts/mine", "ckpts/phase2", "runs/notes", "runs/phase3"
     ]  # fmt: skip
+
+
+def test_demo_mmdit_refuses_a_users_folder_and_its_params_are_the_mmdit_family(tmp_path, capsys):
+    from sdforge.config import parse_params
+    from tools import demo_mmdit
+
+    mine = _users_project(tmp_path / "mine")
+    before = _tree(tmp_path)
+    assert demo_mmdit.main(["--out", str(mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"--out {mine}: a folder with files that are not a previous demo_mmdit workspace")
+    assert "\n" not in err and _tree(tmp_path) == before
+    params = parse_params(demo_mmdit.mmdit_params())
+    assert params.models.denoiser.family == "mmdit" and list(params.phases) == [f"phase{i}" for i in range(9)]
+    assert params.phases["phase8"].adapter.targets == ["attention", "context_attention"]
+
+
+def test_demo_mmdit_runs_its_stages_without_the_preflights_malloc_threshold(monkeypatch):
+    from tools import demo_mmdit
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert "MALLOC_MMAP_THRESHOLD_" not in demo_mmdit.demo_env()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")  # the caller's own choice is kept
+    assert demo_mmdit.demo_env()["MALLOC_MMAP_THRESHOLD_"] == "4096"
