@@ -63,3 +63,4 @@ def test_the_mmdit_recipe_overlay_is_the_second_runs_and_fits_sd3s_two_clips():
     encoders = [architecture_config(h, "text_encoder") for h in (p.models.text_encoder, p.models.text_encoder_2)]
     mmdit.check_text_widths(config, [e["hidden_size"] for e in encoders], [e["projection_dim"] for e in encoders])
     assert {p.phase_objective(n) for n in p.phases} == {"flow_matching"}
+    assert (p.phases["phase0"].flow_shift, p.phases["phase1"].flow_shift) == (1.0, 2.0)  # SD3's √(m / 256²)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from sdforge.config.paths import Paths, Storage, Tracking
 from sdforge.config.phases import FAMILY_ADAPTER_TARGETS, FAMILY_CAPTION_PARTS, Phase
 from sdforge.config.sources import Source
 from sdforge.config.train import Train
+
+SD3_SHIFT_BASE_PIXELS = 256 * 256
+"""The resolution at which SD3's resolution-dependent shift is 1 (Esser et al. 2024, §5.3.2: α = √(m / n))."""
 
 
 class Params(Section):
@@ -102,6 +106,19 @@ class Params(Section):
                     "to null for a flow_matching phase"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _resolution_shift(self) -> Params:
+        """``flow_shift: resolution`` → SD3's ``√(m / 256²)`` for the phase's largest bucket (a number from here on)."""
+        for name, phase in self.phases.items():
+            if phase.flow_shift == "resolution":
+                object.__setattr__(phase, "flow_shift", round(math.sqrt(self._pixels(name) / SD3_SHIFT_BASE_PIXELS), 6))
+        return self
+
+    def _pixels(self, phase: str) -> int:
+        """The phase's resolution in pixels: its bucket set's ``max_area``, else its largest listed bucket."""
+        buckets = self.bucket_sets()[self.phase_resolution(phase)]
+        return buckets.max_area if buckets.max_area is not None else max(w * h for w, h in buckets.sizes)
 
     @model_validator(mode="after")
     def _family_capabilities(self) -> Params:

@@ -157,8 +157,11 @@ class Phase(Section):
     ``sigmoid(mean + std·z)`` (SD3) with ``logit_normal``'s ``[mean, std]``."""
     logit_normal: tuple[float, Annotated[float, Field(gt=0)]] = (0.0, 1.0)
     """``[mean, std]`` of ``timestep_sampling: logit_normal``; mean > 0 favours high noise."""
-    flow_shift: float = Field(1.0, gt=0)
-    """Flow matching: σ ↦ shift·σ / (1 + (shift − 1)·σ) in training and sampling (SD3: 3.0 at 1024²)."""
+    flow_shift: Annotated[float, Field(gt=0)] | Literal["resolution"] = 1.0
+    """Flow matching: σ ↦ shift·σ / (1 + (shift − 1)·σ) in training and sampling (SD3: 3.0 at 1024²). ``resolution``:
+    SD3's resolution-dependent shift ``√(m / 256²)`` for the phase's bucket set, ``m`` its largest bucket's pixel
+    count (1 at 256², 2 at 512², 4 at 1024²); resolved when the params load, so the run dir, ``state.json`` and the
+    export record the number."""
     noise_offset: float = Field(0.0, ge=0)
     """Per-sample, per-channel constant added to the noise, times this (diffusers ``--noise_offset``; 0: off)."""
     input_perturbation: float = Field(0.0, ge=0)
