@@ -43,13 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from bench._common import load_average, machine, result_line
 from model.builders import noise_scheduler
 from model.denoisers import family
 from model.precision import uses_bf16_autocast
 from model.speed import attention_backends, compile_unet
-from sdforge.config import load_params
+from sdforge.config import load_params, parse_params
 from sdforge.training.distributed import Dist, step_seeds
 from sdforge.training.optimization import Optimization
 from sdforge.training.state import TrainState
@@ -57,14 +58,31 @@ from sdforge.training.step import micro_step
 from sdforge.training.trained_model import FullUNet
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"demo": REPO / "params.yaml", "full": REPO / "configs/full/params.yaml"}
+CONFIGS = {
+    "demo": REPO / "params.yaml",
+    "demo-mmdit": REPO / "configs/demo-mmdit/overlay.yaml",
+    "full": REPO / "configs/full/params.yaml",
+}
+"""``demo-mmdit``: the demo with ``make demo-mmdit``'s overlay merged on top (its tiny MM-DiT)."""
 H100_BF16_DENSE_TFLOPS = 989.0
 SD15_TFLOP_PER_SAMPLE_64 = 2.6
 """The issue's estimate for SD1.5 at 64×64 latents (forward + backward ≈ 3 × forward)."""
 
 
 def _load(config: str):
-    return load_params(CONFIGS[config])
+    if config != "demo-mmdit":
+        return load_params(CONFIGS[config])
+    data = _merged(yaml.safe_load(CONFIGS["demo"].read_text()), yaml.safe_load(CONFIGS[config].read_text()))
+    data["phases"] = {k: v for k, v in data["phases"].items() if "distill" not in v}  # the family refuses distill
+    return parse_params(data)
+
+
+def _merged(base: dict, overlay: dict) -> dict:
+    """``base`` with ``overlay`` merged in key by key (the demo tools' overlay rule)."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 _SEEDED: dict[str, torch.nn.Module] = {}

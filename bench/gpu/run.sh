@@ -57,7 +57,7 @@ if [ "$quick" = 1 ]; then
   steps=(
     "tests|100|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
     "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off"
-    "mmdit|40|$py -m bench.train_step $cfg --family mmdit --batch 8 --ckpt off"
+    "mmdit|40|$py -m bench.train_step --config demo-mmdit --device $device --quick --batch 8 --ckpt off"
     "attention|30|$py -m bench.gpu.attention_probe --quick --device $device"
     "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device --stall-only --rounds 1"
     "train_check|120|$py -m bench.gpu.train_check --quick --train async_checkpoint=on"
