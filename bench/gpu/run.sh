@@ -84,18 +84,21 @@ else
   # Fifth lease (2026-11-28, H100): whole-UNet compile at 48 measured (117.4 img/s, compile 192 s) and encode again;
   # its first call was lost to a missing wheel (tests/bench/test_gpu_imports.py now guards it). Next: compiled
   # blocks at 48 (the same-batch comparison with the whole-UNet compile), the kill/resume check, then the rest.
-  # Issue 56: the MM-DiT 1.2B preset at 512² (1,024 image tokens), bf16, compiled blocks, eager plain beside it:
-  # img/s and MFU (goal >= 45 % on an H100; 2.56 TFLOP per sample counted), first in the queue.
+  # Sixth lease (2026-11-28, H200): the MM-DiT at 32 and 64 (131.9 / 145.5 img/s, 34.1 / 37.7 % MFU), blocks at 48
+  # (124.2), the gpu tests (10 passed) and the stall (0.28 s; the step outran 150 s before its RESULT: now 200).
+  # Next: the kill/resume check with attention auto under train.deterministic, the stall on an H100, the MM-DiT at
+  # 96 (MFU still climbing at 64), then the rest.
   steps=(
-    "mmdit|300|$py -m bench.train_step $full --family mmdit --batch 32 --ckpt off --channels-last off --compile blocks"
-    "blocks48|240|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile off,blocks"
     "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on"
+    "checkpoint|200|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
+    "mmdit96|200|$py -m bench.train_step $full --family mmdit --batch 96 --ckpt off --channels-last off --compile blocks"
     "tests|90|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
+    "compile_unet|400|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile unet"
     "switches64|330|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --attention auto,cudnn"
     "shipped|300|$py -m bench.train_step $full --batch 24 --ckpt on --channels-last off --compile off,blocks"
-    "checkpoint|150|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
-    "compile_unet|400|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile unet"
     "encode|200|$py -m bench.encode_pipeline --vae sd --size 512 --device $device --rounds 2"
+    "mmdit|300|$py -m bench.train_step $full --family mmdit --batch 32 --ckpt off --channels-last off --compile blocks"
+    "blocks48|240|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile off,blocks"
   )
 fi
 # The preflight runs the real stages through DVC: it needs DVC, polars and MLflow, which neither the GPU image
