@@ -49,10 +49,13 @@ from bench._common import load_average, machine, result_line
 from model.builders import noise_scheduler
 from model.denoisers import family
 from model.precision import uses_bf16_autocast
+from model.sharding import shard_model
 from model.speed import attention_backends, compile_unet
 from sdforge.config import load_params, parse_params
 from sdforge.training.distributed import Dist, step_seeds
 from sdforge.training.optimization import Optimization
+from sdforge.training.parallel import ensure_process_group
+from sdforge.training.sharded_model import ShardedUNet
 from sdforge.training.state import TrainState
 from sdforge.training.step import micro_step
 from sdforge.training.trained_model import FullUNet
@@ -150,17 +153,25 @@ class _BenchJob:
     caption_parts: tuple = ()
 
 
-def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto"):
+def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto", parallel="ddp"):
     """The real step on the job's components, built without data or files (``compile_``: ``train.compile``,
-    ``attention``: ``train.attention``, both through :mod:`model.speed` as the trainer applies them)."""
+    ``attention``: ``train.attention``, both through :mod:`model.speed` as the trainer applies them; ``parallel``:
+    ``fsdp`` shards the model over this one process as ``train.parallel: fsdp`` does, the wrapper's own cost)."""
     phase = next(iter(params.phases.values()))
     update = {"gradient_checkpointing": ckpt, "compile": compile_, "attention": attention}
     if channels_last is not None:
         update["channels_last"] = channels_last
     cfg = params.train.model_copy(update=update)
     dist = Dist(rank=0, world=1, local_rank=0, device=device)
-    model = FullUNet(_build_unet(params, device, ckpt, cfg.channels_last), dist)
-    compile_unet(model.unet, compile_)
+    unet = _build_unet(params, device, ckpt, cfg.channels_last)
+    compile_unet(unet, compile_)
+    if parallel == "fsdp":
+        ensure_process_group(dist)
+        units = shard_model(unet, family(params.models.denoiser.family).shard_blocks, device,
+                            uses_bf16_autocast(device, cfg.mixed_precision))  # fmt: skip
+        model = ShardedUNet(unet, dist, units)
+    else:
+        model = FullUNet(unet, dist)
     optim = Optimization(model.trainable, phase, cfg, device, "bench", model.unet)
     optim.plan(10**6)
     cond = _random_cond(params, batch).to(device)
@@ -295,13 +306,14 @@ class Variant:
     channels_last: bool = False
     compile: str = "off"
     attention: str = "auto"
+    parallel: str = "ddp"
 
     def label(self) -> str:
         """``ours b=32 ckpt=on cl=off compile=blocks attn=auto``."""
         onoff = {True: "on", False: "off"}
         return (
             f"{self.name:5} b={self.batch:<3} ckpt={onoff[self.ckpt]:3} cl={onoff[self.channels_last]:3} "
-            f"compile={self.compile:6} attn={self.attention:9}"
+            f"compile={self.compile:6} attn={self.attention:9}" + (" par=fsdp" if self.parallel == "fsdp" else "")
         )
 
 
@@ -323,7 +335,7 @@ class Row:
 def _make_step(params, device, v: Variant):
     if v.name == "plain":
         return _plain(params, device, v.batch, v.ckpt)
-    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile, v.attention)
+    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile, v.attention, v.parallel)
 
 
 def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row) -> None:
@@ -367,13 +379,14 @@ def measure(params, device, variants: list[Variant], warmup, steps, rounds) -> d
     return rows
 
 
-def sweep(batches, ckpts, cls, compiles, attentions=("auto",)) -> list[Variant]:
-    """Per (batch, checkpointing): the plain loop, then ours for every channels_last × compile × attention."""
+def sweep(batches, ckpts, cls, compiles, attentions=("auto",), parallels=("ddp",)) -> list[Variant]:
+    """Per (batch, checkpointing): the plain loop, then ours for each channels_last × compile × attention × parallel."""
     out = []
     for batch in batches:
         for ckpt in ckpts:
             out.append(Variant("plain", batch, ckpt))
-            switches = [(cl, comp, att) for cl in cls for comp in compiles for att in attentions]
+            switches = [(cl, comp, att, par) for cl in cls for comp in compiles for att in attentions
+                        for par in parallels]  # fmt: skip
             out += [Variant("ours", batch, ckpt, *switch) for switch in switches]
     return out
 
@@ -419,6 +432,8 @@ def _args(argv):
     ap.add_argument("--channels-last", choices=["off", "on", "both"], help="ours; default: the config's train value")
     ap.add_argument("--compile", default="off", help="train.compile of ours: comma-separated off, blocks, unet")
     ap.add_argument("--attention", default="auto", help="train.attention of ours: comma-separated auto, cudnn, ...")
+    ap.add_argument("--parallel", default="ddp",
+                    help="train.parallel of ours: comma-separated ddp, fsdp (one process: the wrapper's own cost)")
     ap.add_argument("--steps", type=int, help="timed steps per round")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--peak-tflops", type=float, help=f"for MFU; default {H100_BF16_DENSE_TFLOPS:g} on CUDA")
@@ -444,6 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         _onoff(args.channels_last, "on" if params.train.channels_last else "off"),
         args.compile.split(","),
         args.attention.split(","),
+        args.parallel.split(","),
     )
     steps = args.steps or (3 if args.quick else 15)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -487,6 +503,7 @@ def main(argv: list[str] | None = None) -> None:
             channels_last="on" if ours.channels_last else "off",
             compile=ours.compile,
             attention=ours.attention,
+            parallel=ours.parallel,
             first_step_s=o.first_step_s,
             machine=where,
         )

@@ -15,6 +15,9 @@ attempts on a given world size, each ended by an event once the run has logged a
 * ``term-short`` — the same with ``train.preempt_grace_s`` too short for any write: exit 75, no new checkpoint;
 * ``finish`` — run to the end (every sequence's last attempt).
 
+Sequences with a world ``"2f"`` run 2 ranks with ``train.parallel: fsdp`` (sharded weights, DCP checkpoints;
+issue 57) and switch to and from DDP ranks. Phase 1's post-hoc EMA is off in the harness (sharded runs refuse it).
+
 Checks per sequence: every ``checkpoint-*`` directory under its final name carries a manifest that verifies
 (0 torn); the phase's ledger (``checkpoints/phase1/ledger.parquet``) holds every planned sample of every epoch
 exactly once (0 duplicated, 0 missing; recomputed here from the ledger, and the stage's own audit in its
@@ -72,8 +75,21 @@ SEQUENCES: list[list[tuple[int, str, int]]] = [
     [(1, "kill", 4), (2, "term", 5), (2, "finish", 0)],
     [(2, "term", 1), (1, "kill", 3), (2, "finish", 0)],
     [(1, "term", 4), (2, "kill", 5), (1, "finish", 0)],
+    [("2f", "kill", 3), ("2f", "finish", 0)],
+    [("2f", "term", 2), (1, "finish", 0)],
+    [(1, "kill", 2), ("2f", "term", 5), ("2f", "finish", 0)],
+    [("2f", "term-short", 4), (2, "finish", 0)],
 ]
-"""(world size, event, step after which it lands) per attempt."""
+"""(world size, event, step after which it lands) per attempt; a world ``"2f"`` is 2 ranks with
+``train.parallel: fsdp`` (issue 57: sharded checkpoints, resumed sharded or replicated), a number that many DDP
+ranks."""
+
+
+def _shape(world: int | str) -> tuple[int, str]:
+    """``(nproc_per_node, train.parallel)`` of a sequence's world: ``2`` → (2, ddp), ``"2f"`` → (2, fsdp)."""
+    if isinstance(world, str) and world.endswith("f"):
+        return int(world[:-1]), "fsdp"
+    return int(world), "ddp"
 
 
 @dataclass
@@ -95,6 +111,7 @@ def prepare(workdir: Path) -> Path:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["phases"][PHASE].update(mix={"laion": 0.5, "diffusiondb": 0.5}, samples=64, epochs=2, grad_accum=1)
     params["train"].update(save_steps=3, keep_last=3, async_checkpoint="on")  # background writes (issue 38)
+    params["phases"][PHASE]["posthoc_ema"] = False  # sharded runs refuse it (docs/PARALLEL.md); one rule for all
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _dvc(root, "repro", f"mix_phase@{PHASE}")
     return root
@@ -120,7 +137,9 @@ def _logged_step(root: Path) -> int:
 
 def attempt(root: Path, world: int, event: str, at_step: int, log) -> int:
     """One run of the stage on ``world`` ranks, ended by ``event`` once step ``at_step`` is logged."""
-    _edit_params(root, nproc_per_node=world, preempt_grace_s=1e-6 if event == "term-short" else 25.0)
+    nproc, parallel = _shape(world)
+    grace = 1e-6 if event == "term-short" else 25.0
+    _edit_params(root, nproc_per_node=nproc, parallel=parallel, preempt_grace_s=grace)
     with open(root / "chaos.log", "a") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stages.train", "--params", "params.yaml", "--item", PHASE],
@@ -209,7 +228,7 @@ def _reset(root: Path) -> None:
 def reference(root: Path, world: int, log) -> dict:
     """The uninterrupted run on ``world`` ranks: its weights, their sha256 and final loss."""
     _reset(root)
-    _edit_params(root, batch=GLOBAL_BATCH // world)
+    _edit_params(root, batch=GLOBAL_BATCH // _shape(world)[0])
     rc = attempt(root, world, "finish", 0, log)
     if rc != 0:
         raise RuntimeError(f"the uninterrupted run on {world} rank(s) failed ({rc}); see {root / 'chaos.log'}")
@@ -219,7 +238,7 @@ def reference(root: Path, world: int, log) -> dict:
 
 def run_sequence(root: Path, sequence, refs: dict, log) -> Outcome:
     _reset(root)
-    _edit_params(root, batch=GLOBAL_BATCH // sequence[0][0])  # the first world fixes the per-rank batch setting
+    _edit_params(root, batch=GLOBAL_BATCH // _shape(sequence[0][0])[0])  # the first world fixes the per-rank batch
     out = Outcome([f"w{w}:{e}@{s}" if e != "finish" else f"w{w}:finish" for w, e, s in sequence])
     for world, event, step in sequence:
         rc = attempt(root, world, event, step, log)
@@ -263,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"### preparing the demo phase in {workdir}", flush=True)
         root = prepare(workdir)
-        refs = {w: reference(root, w, print) for w in (1, 2)}
+        shapes = [1, 2] + sorted({seq[0][0] for seq in SEQUENCES[: args.sequences]} - {1, 2}, key=str)
+        refs = {w: reference(root, w, print) for w in shapes}
         yardstick = max(float((refs[1]["weights"][s][k].double() - refs[2]["weights"][s][k].double()).abs().max())
                         for s in refs[1]["weights"] for k in refs[1]["weights"][s])
         print(f"### references: world 1 vs world 2 max |Δ weight| {yardstick:.3g}, final loss "

@@ -86,10 +86,12 @@ else
   # blocks at 48 (the same-batch comparison with the whole-UNet compile), the kill/resume check, then the rest.
   # Sixth lease (2026-11-28, H200): the MM-DiT at 32 and 64 (131.9 / 145.5 img/s, 34.1 / 37.7 % MFU), blocks at 48
   # (124.2), the gpu tests (10 passed) and the stall (0.28 s; the step outran 150 s before its RESULT: now 200).
-  # Next: the kill/resume check with attention auto under train.deterministic, the stall on an H100, the MM-DiT at
-  # 96 (MFU still climbing at 64), then the rest.
+  # Next: the kill/resume check with attention auto under train.deterministic, FSDP2 at world size 1 vs DDP on the
+  # full SD1.5 step (issue 57: the wrapper's own cost), the stall on an H100, the MM-DiT at 96 (MFU still climbing
+  # at 64), then the rest.
   steps=(
     "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on"
+    "fsdp1|300|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile blocks --parallel ddp,fsdp"
     "checkpoint|200|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
     "mmdit96|200|$py -m bench.train_step $full --family mmdit --batch 96 --ckpt off --channels-last off --compile blocks"
     "tests|90|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"

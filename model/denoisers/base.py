@@ -48,6 +48,9 @@ class DenoiserFamily(ABC):
     """Adapter target groups in words → module-name suffixes (regexes) that peft matches."""
     objectives: tuple[str, ...]
     """The training objectives it supports (``train.objective``)."""
+    shard_blocks: tuple[str, ...]
+    """The module classes ``train.parallel: fsdp`` shards one by one (then the root): each is a unit of all-gather
+    and reduce-scatter (:mod:`model.sharding`)."""
     flow_euler: bool
     """Flow matching samples with diffusers' ``FlowMatchEulerDiscreteScheduler`` (its pipeline runs it); else with
     the flow-sigma DPM-Solver that ``StableDiffusionPipeline`` can run (:func:`model.sampler.flow_euler_scheduler`)."""

@@ -53,6 +53,7 @@ class MMDiTFamily(DenoiserFamily):
     text_encoders = 2
     lora_groups = MMDIT_GROUPS
     objectives = ("flow_matching",)
+    shard_blocks = ("JointTransformerBlock",)
     flow_euler = True
     pipeline_call = PIPELINE_CALL
     pipeline_load = PIPELINE_LOAD

@@ -119,6 +119,7 @@ class UNetFamily(DenoiserFamily):
     text_encoders = 1
     lora_groups = UNET_GROUPS
     objectives = ("diffusion", "flow_matching")
+    shard_blocks = ("ResnetBlock2D", "Transformer2DModel")
     flow_euler = False
 
     def model_class(self) -> type:

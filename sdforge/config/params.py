@@ -129,6 +129,32 @@ class Params(Section):
         return self
 
     @model_validator(mode="after")
+    def _fsdp_phases_supported(self) -> Params:
+        """``train.parallel: fsdp`` only with phases it can train; an error naming every key that stands in the way."""
+        if self.train.parallel != "fsdp":
+            return self
+        blockers = [b for name in self.phases for b in self.fsdp_blockers(name)]
+        if blockers:
+            raise ValueError(
+                "train.parallel: fsdp does not support " + "; ".join(blockers) + " yet (docs/PARALLEL.md): "
+                "use train.parallel: ddp (or auto) for those phases"
+            )
+        return self
+
+    def fsdp_blockers(self, phase: str) -> list[str]:
+        """What of ``phase`` (and ``train``) sharded training does not support yet, by key; empty: it does."""
+        p, train, at = self.phases[phase], self.train, f"phases.{phase}"
+        checks = {
+            f"{at}.adapter": p.adapter is not None,
+            f"{at}.distill": p.distill is not None,
+            f"{at}.optimizer: {p.optimizer}": p.optimizer != "adamw",
+            f"{at}.posthoc_ema with train.posthoc_sigma_rels": p.posthoc_ema and bool(train.posthoc_sigma_rels),
+            "train.ema_device: cpu": train.ema_device == "cpu",
+            "train.nnodes > 1 (each node's shards would land on its own disk)": train.nnodes > 1,
+        }
+        return [key for key, blocked in checks.items() if blocked]
+
+    @model_validator(mode="after")
     def _multi_node_needs_rendezvous(self) -> Params:
         train = self.train
         if train.nnodes > 1 and self.cluster.enabled and self.cluster.rdzv_port is None:

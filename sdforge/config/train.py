@@ -149,6 +149,12 @@ class LaunchSettings(Section):
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: Url | None = None
     """``host:port`` of the rendezvous (required when nnodes > 1)."""
+    parallel: Literal["ddp", "fsdp", "auto"] = "auto"
+    """How the ranks hold the model: ``ddp`` replicates the weights, gradients, optimizer and EMA on every rank;
+    ``fsdp`` shards them over the ranks (FSDP2, one unit per block of the family's denoiser) and checkpoints
+    with torch.distributed.checkpoint; ``auto`` picks fsdp only where the replicated state would leave less
+    than half the card for the batch (logged; ddp on a CPU and on one process). A run resumes across a change,
+    and on another world size (docs/PARALLEL.md)."""
 
     @model_validator(mode="after")
     def _node_rank_in_range(self) -> LaunchSettings:

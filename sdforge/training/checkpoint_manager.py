@@ -1,4 +1,5 @@
-"""Saving and restoring a job's stateful components as one checkpoint (format: :mod:`sdforge.training.checkpoints`).
+"""Saving a job's stateful components as one checkpoint (format: :mod:`sdforge.training.checkpoints`; the restore half:
+:mod:`sdforge.training.checkpoint_restore`).
 
 The components are registered by name (:data:`COMPONENTS`); each has ``state_dict()`` / ``load_state_dict()``,
 and their entries share ``state.pt`` (disjoint keys, checked). The trained model writes its live weights as
@@ -19,6 +20,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -33,29 +36,26 @@ from sdforge.training.async_checkpoint import (
     fill,
     state_bytes,
 )
+from sdforge.training.checkpoint_restore import COMPONENTS, CheckpointRestore
 from sdforge.training.checkpoints import (
     POSTHOC_DIR,
     PREFIX,
-    STATE,
-    CheckpointError,
     Retention,
     capture_rng,
-    restore_rng,
-    rng_path,
+    checkpoint_name,
 )
 from sdforge.training.checkpoints import save_checkpoint as write_checkpoint
-from sdforge.training.distributed import broadcast_object, derive_rank_rng
-from sdforge.training.ledger import LEDGER_DIR, keep_only, write_segment
-from sdforge.training.resume import restore_newest
+from sdforge.training.distributed import broadcast_object
+from sdforge.training.ledger import LEDGER_DIR, write_segment
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
-from sdforge.training.trained_model import first_line
+from sdforge.training.sharded_state import (
+    live_keys,
+    save_shards,
+    split_shards,
+)
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("optim", "state")
-"""The job's stateful components saved in ``state.pt``: the optimization (optimizer, LR schedule, EMA) and the
-train state (progress, loss tail). The plan contributes the run's global batch, restored first (it re-plans the
-LR schedule that the optimization then loads)."""
 AVERAGED = ("recent_losses",)
 """State entries that differ per rank (each rank's loss is over its own slice) and are saved as their mean."""
 FIRST_WRITE_BYTES_PER_S = 100e6
@@ -63,7 +63,7 @@ FIRST_WRITE_BYTES_PER_S = 100e6
 disk with the sha256 manifest: bench/README.md, checkpoint_write); afterwards from the measured writes."""
 
 
-class CheckpointManager:
+class CheckpointManager(CheckpointRestore):
     """The checkpoints of one job's run dir: save (every rank takes part), restore the newest good one, upload."""
 
     def __init__(self, job, run_dir: Path, fingerprint: str):
@@ -81,60 +81,6 @@ class CheckpointManager:
         self.defer_copy = True
         """On a CPU, whether the writer thread makes the snapshot's copy behind the next step (else the training
         thread makes it inside ``save``): ``bench.checkpoint_write`` measures both."""
-
-    # -- restore ---------------------------------------------------------------------------
-    def restore_newest(self) -> Path | None:
-        """Restore the newest checkpoint that restores in full on every rank (local or remote); then keep only
-        its ledger segments (main rank). Its path, or None on a fresh start."""
-        dist = self.job.dist
-        restored = restore_newest(self.run_dir, self.restore, rank=dist.rank, world=dist.world, remote=self.remote)
-        if dist.is_main:
-            keep_only(self.run_dir, self.job.state.ledger_segments)
-        self.mark = len(self.job.state.losses)
-        return restored
-
-    def restore(self, ckpt: Path, state: dict) -> None:
-        """Load live weights, every component's state and this rank's RNG (``state["rng"]``) from ``ckpt``.
-
-        Any failure is a CheckpointError naming the file, so :func:`sdforge.training.resume.restore_newest` can
-        fall back to an older checkpoint.
-        """
-        job = self.job
-        job.model.load_live(ckpt)
-        global_batch = state.get("global_batch")
-        if not isinstance(global_batch, int) or global_batch < 1:
-            raise CheckpointError(f"{ckpt / STATE}: no global batch recorded (written by an older sdforge)")
-        if global_batch != job.plan.global_batch:
-            job.set_global_batch(global_batch)  # another world size: keep the run's global batch
-        try:
-            for name in COMPONENTS:
-                getattr(job, name).load_state_dict(state)
-        except Exception as err:
-            why = f"{type(err).__name__}: {first_line(err)}"
-            raise CheckpointError(f"{ckpt / STATE}: not this run's state ({why})") from err
-        self._restore_rng(ckpt, state)
-        p = job.state.progress
-        log.info("resumed from %s at step %d (epoch %d, step %d of it)", ckpt, p.step, p.epoch, p.batch)
-
-    def _restore_rng(self, ckpt: Path, state: dict) -> None:
-        job = self.job
-        same_world = state.get("world", job.dist.world) == job.dist.world
-        try:
-            if same_world:
-                restore_rng(state["rng"], job.state.generator, job.dist.device)
-            else:
-                job.state.generator.set_state(state["rng"]["generator"])
-        except Exception as err:
-            rng = rng_path(ckpt, job.dist.rank if same_world else 0)
-            raise CheckpointError(f"{rng}: not an RNG state ({type(err).__name__}: {first_line(err)})") from err
-        if not same_world:
-            derive_rank_rng(job.cfg.seed, job.state.progress.step, job.dist.rank)
-            split = job.plan.split
-            log.warning(
-                "resuming a checkpoint of %d rank(s) on %d: global batch %d kept (%d × %d accumulation per rank); "
-                "each sample is trained exactly once, per-rank RNG re-derived from (seed, step, rank)",
-                state["world"], job.dist.world, split.global_batch, split.micro, split.accum,
-            )  # fmt: skip
 
     # -- save ------------------------------------------------------------------------------
     def write_estimate(self) -> float:
@@ -166,15 +112,24 @@ class CheckpointManager:
             merged.update(part)
         return merged
 
-    def _save(self, wait: bool) -> Path | None:
+    def _gathered(self, state: dict) -> tuple:
+        """The mean loss since the last checkpoint, every rank's RNG and ledger records (on the main rank)."""
         job, dist = self.job, self.job.dist
-        losses, state = job.state.losses, self.state_dict()
-        asynchronous = self._asynchronous(state)
+        losses = job.state.losses
         recent, self.mark = losses[self.mark :], len(losses)
         loss = sum(recent) / len(recent) if recent else None
         rng, records = [capture_rng(job.state.generator, dist.device)], [job.state.ledger.take()]
         if dist.world > 1:
             loss, rng, records = _gather_to_main(dist, recent, state, rng[0], records[0])
+        return loss, rng, records
+
+    def _save(self, wait: bool) -> Path | None:
+        job, dist = self.job, self.job.dist
+        state = self.state_dict()
+        if job.model.sharded:
+            return self._save_sharded(state)
+        asynchronous = self._asynchronous(state)
+        loss, rng, records = self._gathered(state)
         path = None
         if dist.is_main:
             self.writer.wait()  # one write in flight: its buffers are about to be reused
@@ -185,6 +140,33 @@ class CheckpointManager:
             else:
                 path = self._write(*snapshot, job.model.live_tensors(), state)
         if dist.world > 1 and (wait or not asynchronous):
+            torch.distributed.barrier()
+        return path
+
+    def _save_sharded(self, state: dict) -> Path | None:
+        """Every rank writes its shards of the weights, optimizer and EMA (DCP) into a staging folder; the main rank
+        then makes the checkpoint of it (``sharded/``, ``state.pt`` without the shards, RNG, manifest over every
+        file). Blocking: the step waits for the whole write."""
+        job, dist = self.job, self.job.dist
+        if self.asynchronous is None:
+            self.asynchronous = False
+            log.info("checkpoints block the step (train.parallel: fsdp: every rank writes its shards with DCP)")
+        loss, rng, records = self._gathered(state)
+        state, flat = split_shards(state)
+        staging = self.run_dir / f"{checkpoint_name(job.state.progress.step)}.shards"
+        if dist.is_main:
+            for stale in self.run_dir.glob("*.shards"):  # a kill during an earlier write: never a checkpoint
+                shutil.rmtree(stale, ignore_errors=True)
+        if dist.world > 1:
+            torch.distributed.barrier()
+        save_shards({**flat, **live_keys(job.model.live_tensors())}, staging)
+        _kill_in_shards_point(job.state.progress.step)
+        path = None
+        if dist.is_main:
+            self._write_ledger(records)
+            snapshot = (copy.copy(job.state.progress), list(job.state.ledger_segments), rng, loss)
+            path = self._write(*snapshot, staging, state)
+        if dist.world > 1:
             torch.distributed.barrier()
         return path
 
@@ -275,6 +257,14 @@ def _slow_write_point() -> None:
     delay = float(os.environ.get("SDFORGE_SLOW_CHECKPOINT_S", "0"))
     if delay:
         time.sleep(delay)
+
+
+def _kill_in_shards_point(step: int) -> None:
+    """Fault injection for the sharded kill test: ``SDFORGE_KILL_IN_SHARDS_AT_STEP=N`` SIGKILLs every rank once its
+    shards of checkpoint N are staged, before the checkpoint exists (its manifest and rename)."""
+    if os.environ.get("SDFORGE_KILL_IN_SHARDS_AT_STEP") == str(step):
+        log.warning("SDFORGE_KILL_IN_SHARDS_AT_STEP=%d: killing this process inside a sharded write", step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _gather_to_main(dist, recent: list[float], state: dict, rng: dict, records: dict):

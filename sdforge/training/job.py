@@ -18,9 +18,9 @@ from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
 from sdforge.training.conditioning import Conditioning, set_kernel_policy
 from sdforge.training.distributed import Dist
+from sdforge.training.model_setup import build_trained_model
 from sdforge.training.optimization import Optimization
 from sdforge.training.state import Plan, TrainState
-from sdforge.training.trained_model import build_trained_model
 from sdforge.training.watchdog import fingerprint
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ class TrainJob(JobEvents):
         self.objective = params.phase_objective(phase_name)
         words = self.phase.adapter.words if self.phase.adapter is not None else []
         learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
-        self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned)
+        blockers = tuple(params.fsdp_blockers(phase_name))
+        self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers)
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where, self.model.unet)

@@ -9,6 +9,7 @@ import torch
 
 from model.diffusion import TrainingEMA, build_lr_scheduler
 from model.posthoc_ema import PowerEMAs
+from model.sharding import whole
 from sdforge.config import Phase, Train
 from sdforge.training.optimizers import build_optimizer
 
@@ -56,7 +57,7 @@ class Optimization:
         """Optimizer step number ``step`` (1-based): clip, step, schedule, zero the gradients, EMA (every
         ``train.ema_update_every`` steps); return the gradient norm (a device tensor: no host read here)."""
         self.settle()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip)
+        grad_norm = whole(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip))  # sharded: all ranks'
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -87,6 +88,22 @@ class Optimization:
         self.ema.to(self.ema_device)
         if self.posthoc is not None:
             self.posthoc.load_state_dict(state["posthoc_ema"])
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Create the optimizer's per-weight state (a step of zero gradients at zero LR: the weights do not move), so
+        that a sharded checkpoint has tensors to be read into (:mod:`sdforge.training.sharded_state`)."""
+        if self.optimizer.state:
+            return
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for param in self.trainable:
+            param.grad = torch.zeros_like(param)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
 
     def release(self) -> None:
         """Free the optimizer's moments (before an export: no memory beyond training's)."""

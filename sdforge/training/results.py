@@ -44,6 +44,7 @@ def phase_metrics(job, resumed_at: int, elapsed: float) -> dict:
         "seconds": round(elapsed, 2),
         "samples_per_s": round(trained * plan.global_batch / max(elapsed, 1e-9), 2),
         "global_batch": plan.global_batch,
+        "parallel": "fsdp" if job.model.sharded else "ddp",
     }
     metrics.update(resolution=params.phase_resolution(job.phase_name), objective=job.objective, **plan.bucket_counts)
     metrics.update(job.model.parameter_counts())
@@ -122,6 +123,8 @@ def leave_process_group(job) -> None:
     and the reducer is freed while the default group still holds the process group alive.
     """
     if job.dist.world == 1:
+        if job.model.sharded and torch.distributed.is_initialized():  # the group sharding made for one process
+            torch.distributed.destroy_process_group()
         return
     torch.distributed.barrier()
     job.model.release()

@@ -1,6 +1,7 @@
 """What a phase trains: every weight of the UNet (:class:`FullUNet`), or a LoRA/DoRA on frozen init weights
-(:class:`AdapterUNet`). One strategy object instead of ``if adapter:`` branches: the trained parameters, the
-live weights a checkpoint holds, and the folders a finished phase exports.
+(:class:`AdapterUNet`); sharded over the ranks: :class:`sdforge.training.sharded_model.ShardedUNet`. One strategy
+object instead of ``if adapter:`` branches: the trained parameters, the live weights a checkpoint holds, and the
+folders a finished phase exports. :mod:`sdforge.training.model_setup` builds the phase's.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.adapters import add_adapter, count_parameters, lora_config, target_pattern
-from model.denoisers import DenoiserFamily, family, family_of
+from model.adapters import count_parameters
+from model.denoisers import DenoiserFamily, family_of
 from model.learned_words import LearnedWords
-from model.speed import compile_unet
-from sdforge.config import SCRATCH, Adapter, Params, Phase
+from sdforge.config import Adapter
 from sdforge.training.adapter_files import UNET_FILE, write_learned_words, write_lora_folder, write_plain_unet
 from sdforge.training.checkpoints import CheckpointError
 from sdforge.training.distributed import Dist
-from sdforge.training.unet_init import load_foreign_weights, load_init_unet
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +33,19 @@ WORDS_PARAM = "learned_words.vectors"
 class FullUNet:
     """Every UNet weight is trained; checkpoints and exports are diffusers UNet folders."""
 
+    sharded = False
+    """Whether the weights are ``DTensor`` shards (:class:`ShardedUNet`)."""
+
     def __init__(self, unet: torch.nn.Module, dist: Dist):
         self.unet = unet
         self.trainable = [p for _, p in self.named_trainable()]
         """What the optimizer, gradient clipping and the EMA see."""
-        self.forward_module = _wrap_ddp(unet, dist)
+        self.forward_module = self._forward_module(unet, dist)
         """``unet`` itself on one process, else its DistributedDataParallel wrapper."""
         self.world = dist.world
+
+    def _forward_module(self, unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
+        return _wrap_ddp(unet, dist)
 
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trained weights by name, in a fixed order."""
@@ -73,7 +78,7 @@ class FullUNet:
 
     def load_live(self, ckpt: Path) -> None:
         """Inverse of :meth:`write_live`; a CheckpointError naming the folder when they do not fit."""
-        live = _checkpoint_unet_weights(ckpt / "unet", family_of(self.unet))
+        live = checkpoint_unet_weights(ckpt / "unet", family_of(self.unet))
         try:
             self.unet.load_state_dict(live)
         except (RuntimeError, ValueError) as err:
@@ -163,45 +168,6 @@ class AdapterUNet(FullUNet):
         return {"adapter": self.spec.model_dump()}
 
 
-def build_trained_model(
-    params: Params, phase: Phase, dist: Dist, bucket_shapes: int = 1, words: LearnedWords | None = None
-) -> FullUNet:
-    """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
-    for training (gradient checkpointing, channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
-    strategy object; an adapter phase's learned ``words`` (the text encoder's rows) train with it."""
-    cfg = params.train
-    init_dir = Path(params.paths.checkpoints) / phase.init_from
-    weights = "live" if phase.init_from == SCRATCH else phase.init_weights
-    denoiser_family = family(params.models.denoiser.family)
-    unet = load_init_unet(init_dir, weights, params.models.denoiser_spec, denoiser_family)
-    if phase.init_path:
-        load_foreign_weights(unet, Path(phase.init_path))
-    if phase.adapter is not None:
-        _add_unet_adapter(unet, phase.adapter, denoiser_family)
-    unet.to(dist.device).train()
-    if cfg.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    if cfg.channels_last:
-        unet.to(memory_format=torch.channels_last)
-    compiled = compile_unet(unet, cfg.compile, bucket_shapes)
-    if compiled:
-        log.info("train.compile: %s — %d module(s) compiled at their first step", cfg.compile, compiled)
-    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
-
-
-def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: DenoiserFamily) -> None:
-    """Freeze ``unet`` and add the phase's LoRA/DoRA on the family's target groups (:mod:`model.adapters`); log
-    trainable vs total weights."""
-    pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
-    config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern)
-    add_adapter(unet, config)
-    n_train, n_base = count_parameters(unet)
-    log.info(
-        "%s adapter rank %d on %s: %d trainable weights, %.2f %% of the UNet's %d",
-        spec.type, spec.rank, ", ".join(spec.targets), n_train, 100 * n_train / n_base, n_base,
-    )  # fmt: skip
-
-
 def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     """``unet`` itself on one process, else wrapped in DistributedDataParallel."""
     if dist.world > 1:
@@ -214,7 +180,7 @@ def _wrap_ddp(unet: torch.nn.Module, dist: Dist) -> torch.nn.Module:
     return unet
 
 
-def _checkpoint_unet_weights(unet_dir: Path, denoiser_family: DenoiserFamily) -> dict[str, torch.Tensor]:
+def checkpoint_unet_weights(unet_dir: Path, denoiser_family: DenoiserFamily) -> dict[str, torch.Tensor]:
     """The live UNet state dict of a training checkpoint, from safetensors only; a CheckpointError naming the dir."""
     if not any(unet_dir.glob("*.safetensors")):
         found = sorted(p.name for p in unet_dir.iterdir()) if unet_dir.is_dir() else []

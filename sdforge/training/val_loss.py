@@ -128,7 +128,8 @@ def _copy_into(params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) ->
 
 
 class ValLossHook(Hook):
-    """Measures :class:`HeldOutLoss` on the main rank every ``train.val_loss_every`` steps and at the last step,
+    """Measures :class:`HeldOutLoss` on the main rank (every rank with a sharded model) every ``train.val_loss_every``
+    steps and at the last step,
     puts it on the step's report (``report.metrics``) and, at the end, into the phase's metrics."""
 
     def __init__(self, params: Params, phase_name: str):
@@ -139,7 +140,7 @@ class ValLossHook(Hook):
         self.seconds, self.measurements = 0.0, 0
 
     def start(self, job) -> None:
-        if job.dist.is_main:
+        if job.dist.is_main or job.model.sharded:  # a sharded model's forward is collective: every rank measures
             self.held_out = HeldOutLoss.for_phase(self.params, self.phase_name)
             if self.held_out is not None:
                 log.info("validation loss: %d held-out samples x %d levels, every %s step(s) and at the end",

@@ -76,7 +76,7 @@ VALIDATION_DIR = "validation"
 class ValidationHook(Hook):
     """Every ``train.validation_every`` steps the main rank samples a captioned grid into the run dir and hands it
     to the reports (``report.artifacts``: MLflow logs it under ``validation/``); the other ranks wait for it in the
-    next step (``busy_after``)."""
+    next step (``busy_after``) — or, with a sharded model, sample the same grid beside it and drop theirs."""
 
     def __init__(self, params: Params, run_dir: Path):
         self.params, self.run_dir = params, Path(run_dir)
@@ -84,7 +84,7 @@ class ValidationHook(Hook):
         self.validator = None
 
     def start(self, job) -> None:
-        if job.dist.is_main:
+        if job.dist.is_main or job.model.sharded:  # a sharded model samples on every rank (its forward is collective)
             self.validator = Validator(self.params, job)
 
     def busy_after(self, step: int) -> bool:
@@ -95,6 +95,8 @@ class ValidationHook(Hook):
             return
         with job.busy("validation"):
             images = self.validator.images(job)
+        if not job.dist.is_main:
+            return
         grid = captioned_grid(images, self.validator.prompts, columns=len(images))
         path = self.run_dir / VALIDATION_DIR / f"step-{report.step:08d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)

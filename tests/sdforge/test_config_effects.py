@@ -39,7 +39,7 @@ TRAIN_NONE = {
     "progress_bar",
     "preempt_grace_s", "hang_timeout_s",
 }  # fmt: skip
-TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint"}
+TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "parallel"}
 
 
 @pytest.fixture(scope="module")

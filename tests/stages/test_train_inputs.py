@@ -30,9 +30,10 @@ CHANGES = {
     "phases.phase1": {"description": "edited mid-phase", "eval_grid": False},
 }  # fmt: skip
 """Per key that changes no weight: the value it is changed to mid-phase (``S3``: the test's moto bucket)."""
-JOB_KEYS_TESTED_ELSEWHERE = {"nproc_per_node", "nnodes", "node_rank"}
+JOB_KEYS_TESTED_ELSEWHERE = {"nproc_per_node", "nnodes", "node_rank", "parallel"}
 """World-size keys: a run resumes with its global batch kept, weights within the DDP tolerance
-(tests/stages/test_resilience.py, tests/stages/test_multinode_job.py)."""
+(tests/stages/test_resilience.py, tests/stages/test_multinode_job.py); ``parallel``: replicated → sharded →
+replicated under torchrun (tests/stages/test_train_fsdp.py)."""
 
 
 def _train(params_file: Path, hooks=()) -> dict:

@@ -1,0 +1,116 @@
+"""``train.parallel``: what ``auto`` picks and why, what ``fsdp`` refuses by name, and the checkpoint state's split
+into shards and the rest (the sharded runs themselves: tests/stages/test_train_fsdp.py)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from sdforge.config import parse_params
+from sdforge.training.distributed import Dist
+from sdforge.training.parallel import STATE_BYTES_PER_PARAM, choose_sharding
+from sdforge.training.sharded_state import PLACEHOLDER, live_keys, load_shards, save_shards, split_shards
+from tests.fixtures.training import REPO
+
+CUDA = Dist(rank=0, world=2, local_rank=0, device=torch.device("cuda", 0))
+GIB = 2**30
+
+
+@pytest.fixture
+def card(monkeypatch):
+    """A pretend CUDA card of 32 GiB (no GPU needed: ``auto`` reads only its total memory)."""
+    props = SimpleNamespace(total_memory=32 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    return props
+
+
+def test_explicit_settings_are_taken_as_they_are(card):
+    assert choose_sharding("fsdp", 10, CUDA, []) is True
+    assert choose_sharding("ddp", 10**10, CUDA, []) is False
+
+
+def test_auto_replicates_on_a_cpu_and_on_one_process(card, caplog):
+    caplog.set_level(logging.INFO)
+    big = 10**10
+    assert choose_sharding("auto", big, Dist(0, 2, 0, torch.device("cpu")), []) is False
+    assert choose_sharding("auto", big, Dist(0, 1, 0, torch.device("cuda", 0)), []) is False
+    assert "a CPU run" in caplog.text and "one process" in caplog.text
+
+
+def test_auto_shards_once_the_replicated_state_takes_over_half_the_card(card, caplog):
+    caplog.set_level(logging.INFO)
+    half = 16 * GIB // STATE_BYTES_PER_PARAM  # parameters whose replicated state is exactly half of 32 GiB
+    assert choose_sharding("auto", half, CUDA, []) is False
+    assert choose_sharding("auto", half + 1000, CUDA, []) is True
+    assert "auto: fsdp (the replicated state, 16.0 GiB, would take 50 % of the 32-GiB card" in caplog.text
+
+
+def test_auto_falls_back_to_ddp_with_the_blocking_keys_named(card, caplog):
+    assert choose_sharding("auto", 10**10, CUDA, ["phases.phase8.adapter"]) is False
+    assert "fsdp does not support phases.phase8.adapter yet" in caplog.text
+
+
+def _demo(**train) -> dict:
+    data = yaml.safe_load((REPO / "params.yaml").read_text())
+    data["train"].update(train)
+    return data
+
+
+def test_fsdp_refuses_what_it_does_not_support_by_key():
+    """The demo has an adapter phase with learned words, a distill phase and post-hoc EMA phases."""
+    with pytest.raises(ValueError) as err:
+        parse_params(_demo(parallel="fsdp"))
+    text = str(err.value)
+    for key in ("phases.phase8.adapter", "phases.phase9.distill", "phases.phase1.posthoc_ema"):
+        assert key in text
+    data = _demo(parallel="fsdp", posthoc_sigma_rels=[])
+    data["phases"] = {k: v for k, v in data["phases"].items() if "adapter" not in v and "distill" not in v}
+    assert parse_params(data).train.parallel == "fsdp"
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone (gloo), torn down after the test."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    torch.distributed.destroy_process_group()
+
+
+def _target(mesh, sharded: bool) -> torch.Tensor:
+    """A zero 3×2 tensor to read into: a shard of one, or a whole one."""
+    zeros = torch.zeros(3, 2)
+    return distribute_tensor(zeros, mesh, [Shard(0)]) if sharded else zeros
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["into-shards", "into-whole-tensors"])
+def test_sharded_state_round_trips_through_dcp(one_rank_group, tmp_path, sharded):
+    """``DTensor`` leaves become placeholders keyed by their path, the rest stays in the state; reading the folder
+    back fills the placeholders from this run's tensors at the same places (shards or whole tensors) and the live
+    weights in place."""
+    mesh, moments = one_rank_group, torch.arange(6.0).reshape(3, 2)
+    shard = lambda t: distribute_tensor(t, mesh, [Shard(0)])  # noqa: E731
+    step = torch.tensor(3.0)
+    state = {"optimizer": {"state": {0: {"step": step, "exp_avg": shard(moments)}}},
+             "ema": {"shadow_params": [shard(moments + 1)], "decay": 0.99}}  # fmt: skip
+    kept, flat = split_shards(state)
+    assert set(flat) == {"/optimizer/state/0/exp_avg", "/ema/shadow_params/0"}
+    assert kept["optimizer"]["state"][0] == {"step": step, "exp_avg": {PLACEHOLDER: "/optimizer/state/0/exp_avg"}}
+    save_shards({**flat, **live_keys({"w": shard(moments * 2)})}, tmp_path / "sharded")
+    current = {"optimizer": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": _target(mesh, sharded)}}},
+               "ema": {"shadow_params": [_target(mesh, sharded)], "decay": 0.5}}  # fmt: skip
+    live = {"w": _target(mesh, sharded)}
+    filled = load_shards(kept, current, live, tmp_path / "sharded")
+    assert torch.equal(_whole(filled["optimizer"]["state"][0]["exp_avg"]), moments)
+    assert torch.equal(_whole(filled["ema"]["shadow_params"][0]), moments + 1)
+    assert torch.equal(_whole(live["w"]), moments * 2)  # read in place
+    assert filled["ema"]["decay"] == 0.99 and float(filled["optimizer"]["state"][0]["step"]) == 3.0
