@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sdforge.preflight.derive import samples_needed
+from sdforge.training.parallel import replicated_state_bytes
 
 GIB = 1024**3
 FIXED = ("make_demo_data", "download_metadata", "filter_metadata", "prepare_models", "mix_phase", "export", "generate")
@@ -157,6 +158,16 @@ def posthoc_ema_cost(full: dict[str, Any], unet_params: int | None) -> dict[str,
             "disk_per_phase_gib": round(profiles * copy * int(train.get("posthoc_snapshots", 8)), 1)}  # fmt: skip
 
 
+def parallel_state(full: dict[str, Any], unet_params: int | None, gpus: int) -> dict[str, Any] | None:
+    """The training state each rank holds (fp32 weights, gradients, AdamW, EMA; before activations), GiB: replicated
+    (DDP) and sharded over the pod's ``gpus`` (FSDP); None when the denoiser's size is unknown. docs/PARALLEL.md."""
+    if not unet_params:
+        return None
+    state = replicated_state_bytes(unet_params) / GIB
+    setting = full.get("train", {}).get("parallel", "auto")
+    return {"ddp_gib": round(state, 2), "fsdp_gib": round(state / max(gpus, 1), 2), "gpus": gpus, "setting": setting}
+
+
 def full_eval_unet_calls(full: dict[str, Any]) -> int:
     """UNet evaluations of every phase's eval grid (prompts × steps, ×2 with classifier-free guidance)."""
     ev = full.get("eval", {})
@@ -225,6 +236,7 @@ def forecast(
     totals["val_loss_pod_hours"] = round(forwards / (3 * pod.train_img_s) / 3600, 2)  # one GPU; forward ~3x a step
     unet_params = next((int(r.metrics["unet_params"]) for r in runs if r.metrics.get("unet_params")), None)
     totals["posthoc_ema"] = posthoc_ema_cost(full, unet_params)
+    totals["parallel_state"] = parallel_state(full, unet_params, pod.gpus)
     return rows, totals
 
 
@@ -340,6 +352,11 @@ def table(rows: list[Row], totals: dict[str, Any], device: str) -> str:
     lines.append("post-hoc EMA: off" if not posthoc else
                  f"post-hoc EMA: {posthoc['memory_gib']} GiB more per rank (tracked EMAs, fp32), "
                  f"{posthoc['disk_per_phase_gib']} GiB of snapshots per phase in the run dir")  # fmt: skip
+    state = totals.get("parallel_state")
+    if state:
+        lines.append(f"training state per rank (fp32 weights, gradients, AdamW, EMA; before activations): DDP "
+                     f"{state['ddp_gib']} GiB, FSDP over {state['gpus']} GPUs {state['fsdp_gib']} GiB "
+                     f"(train.parallel: {state['setting']}; docs/PARALLEL.md)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -146,6 +146,9 @@ def test_validation_loss_and_posthoc_ema_are_forecast_from_the_full_config():
     rows, totals = forecast(runs, FULL, derived(), Pod(), cpus=2)
     assert totals["posthoc_ema"] == cost and totals["val_loss_forwards"] == full_val_loss_forwards(FULL, 2) > 0
     assert f"{cost['disk_per_phase_gib']} GiB of snapshots per phase" in table(rows, totals, "cpu")
+    # 20 bytes per parameter replicated; halved over the full config's 2 GPUs (bench.fsdp_memory measured 16.01 / 8.00)
+    assert totals["parallel_state"] == {"ddp_gib": 16.01, "fsdp_gib": 8.0, "gpus": 2, "setting": "auto"}
+    assert "DDP 16.01 GiB, FSDP over 2 GPUs 8.0 GiB" in table(rows, totals, "cpu")
 
 
 def test_captioning_is_projected_only_for_recaptioned_sources():
