@@ -128,21 +128,10 @@ class Params(Section):
             _check_family_phase(family, name, phase, self.phase_objective(name))
         return self
 
-    @model_validator(mode="after")
-    def _fsdp_phases_supported(self) -> Params:
-        """``train.parallel: fsdp`` only with phases it can train; an error naming every key that stands in the way."""
-        if self.train.parallel != "fsdp":
-            return self
-        blockers = [b for name in self.phases for b in self.fsdp_blockers(name)]
-        if blockers:
-            raise ValueError(
-                "train.parallel: fsdp does not support " + "; ".join(blockers) + " yet (docs/PARALLEL.md): "
-                "use train.parallel: ddp (or auto) for those phases"
-            )
-        return self
-
     def fsdp_blockers(self, phase: str) -> list[str]:
-        """What of ``phase`` (and ``train``) sharded training does not support yet, by key; empty: it does."""
+        """What of ``phase`` (and ``train``) sharded training does not support yet, by key; empty: it does. The train
+        stage of such a phase refuses ``train.parallel: fsdp`` naming them (``auto`` replicates it instead): other
+        phases of the same params may still shard."""
         p, train, at = self.phases[phase], self.train, f"phases.{phase}"
         checks = {
             f"{at}.adapter": p.adapter is not None,

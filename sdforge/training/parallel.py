@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from sdforge.io import InputError
 from sdforge.training.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,13 @@ def replicated_state_bytes(n_params: int) -> int:
 
 def choose_sharding(setting: str, n_params: int, dist: Dist, blockers: list[str]) -> bool:
     """Whether this run shards its model: ``setting`` is ``train.parallel``; ``blockers`` are the keys of the phase
-    that sharding does not support (``Params.fsdp_blockers``). The choice and its reason are logged."""
+    that sharding does not support (``Params.fsdp_blockers``): an InputError naming them under ``fsdp``, a
+    replicated run under ``auto``. The choice and its reason are logged."""
+    if setting == "fsdp" and blockers:
+        raise InputError(
+            f"train.parallel: fsdp does not support {', '.join(blockers)} yet (docs/PARALLEL.md): set "
+            "train.parallel: ddp or auto (auto replicates such a phase), or drop those settings for this phase"
+        )
     if setting != "auto":
         return setting == "fsdp"
     state = replicated_state_bytes(n_params)

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from sdforge.config import parse_params
+from sdforge.io import InputError
 from sdforge.training.distributed import Dist
 from sdforge.training.parallel import STATE_BYTES_PER_PARAM, choose_sharding
 from sdforge.training.sharded_state import PLACEHOLDER, live_keys, load_shards, save_shards, split_shards
@@ -56,22 +57,19 @@ def test_auto_falls_back_to_ddp_with_the_blocking_keys_named(card, caplog):
     assert "fsdp does not support phases.phase8.adapter yet" in caplog.text
 
 
-def _demo(**train) -> dict:
+def test_fsdp_refuses_a_phase_it_does_not_support_by_key():
+    """The demo's phase 8 (an adapter learning words), phase 9 (distillation) and phase 1 (post-hoc EMA) are named;
+    the params themselves load (other phases may shard), and phase 2 has nothing in the way."""
     data = yaml.safe_load((REPO / "params.yaml").read_text())
-    data["train"].update(train)
-    return data
-
-
-def test_fsdp_refuses_what_it_does_not_support_by_key():
-    """The demo has an adapter phase with learned words, a distill phase and post-hoc EMA phases."""
-    with pytest.raises(ValueError) as err:
-        parse_params(_demo(parallel="fsdp"))
-    text = str(err.value)
-    for key in ("phases.phase8.adapter", "phases.phase9.distill", "phases.phase1.posthoc_ema"):
-        assert key in text
-    data = _demo(parallel="fsdp", posthoc_sigma_rels=[])
-    data["phases"] = {k: v for k, v in data["phases"].items() if "adapter" not in v and "distill" not in v}
-    assert parse_params(data).train.parallel == "fsdp"
+    data["train"]["parallel"] = "fsdp"
+    params = parse_params(data)
+    assert params.fsdp_blockers("phase2") == []
+    for phase, key in (("phase8", "phases.phase8.adapter"), ("phase9", "phases.phase9.distill"),
+                       ("phase1", "phases.phase1.posthoc_ema")):  # fmt: skip
+        blockers = params.fsdp_blockers(phase)
+        assert any(b.startswith(key) for b in blockers), blockers
+        with pytest.raises(InputError, match=key.replace(".", r"\.")):
+            choose_sharding("fsdp", 10, CUDA, blockers)
 
 
 @pytest.fixture
