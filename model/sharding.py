@@ -25,7 +25,10 @@ def shard_model(model: torch.nn.Module, block_classes: tuple[str, ...], device: 
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     for block in blocks:
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # The root reshards after its forward too (FSDP2 keeps a root gathered by default, for the backward to come):
+    # a forward without backward — the validation loss, validation images on the EMA weights swapped in — would
+    # otherwise leave the root's gathered weights in place, and the next training step would run on them.
+    fully_shard(model, reshard_after_forward=True, **options)
     return len(blocks) + 1
 
 

@@ -274,6 +274,7 @@ def run_sequence(root: Path, sequence, refs: dict, log) -> Outcome:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=len(SEQUENCES), help="run the first N sequences")
+    ap.add_argument("--start", type=int, default=0, help="skip the sequences before this index (e.g. 12: FSDP's)")
     ap.add_argument("--workdir", type=Path, help="keep the project here (default: a temp dir, deleted)")
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-harness-"))
@@ -282,14 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"### preparing the demo phase in {workdir}", flush=True)
         root = prepare(workdir)
-        shapes = [1, 2] + sorted({seq[0][0] for seq in SEQUENCES[: args.sequences]} - {1, 2}, key=str)
+        chosen = SEQUENCES[args.start : args.sequences]
+        shapes = [1, 2] + sorted({seq[0][0] for seq in chosen} - {1, 2}, key=str)
         refs = {w: reference(root, w, print) for w in shapes}
         yardstick = max(float((refs[1]["weights"][s][k].double() - refs[2]["weights"][s][k].double()).abs().max())
                         for s in refs[1]["weights"] for k in refs[1]["weights"][s])
         print(f"### references: world 1 vs world 2 max |Δ weight| {yardstick:.3g}, final loss "
               f"{refs[1]['final_loss']} vs {refs[2]['final_loss']}", flush=True)
         outcomes = []
-        for i, sequence in enumerate(SEQUENCES[: args.sequences]):
+        for i, sequence in enumerate(chosen, start=args.start):
             print(f"### sequence {i}: {sequence}", flush=True)
             out = run_sequence(root, sequence, refs, print)
             outcomes.append(out)

@@ -43,12 +43,12 @@ class CheckpointRestore:
         fall back to an older checkpoint.
         """
         job = self.job
-        state = self._read_weights(ckpt, state)
         global_batch = state.get("global_batch")
         if not isinstance(global_batch, int) or global_batch < 1:
             raise CheckpointError(f"{ckpt / STATE}: no global batch recorded (written by an older sdforge)")
         if global_batch != job.plan.global_batch:
-            job.set_global_batch(global_batch)  # another world size: keep the run's global batch
+            job.set_global_batch(global_batch)  # another world size: keep the run's global batch (and its schedule)
+        state = self._read_weights(ckpt, state)  # after the plan: the state it reads into holds the LR schedule
         try:
             for name in COMPONENTS:
                 getattr(job, name).load_state_dict(state)

@@ -24,7 +24,9 @@ STEPS = 20
 def _workspace(straight: Path, root: Path, parallel: str, nproc: int) -> Path:
     params = untrained_clone(straight, root)
     data = yaml.safe_load(params.read_text())
-    data["train"].update(parallel=parallel, nproc_per_node=nproc)
+    # validation images every 5 steps: forwards without a backward on the EMA weights swapped in, on every rank of a
+    # sharded run; FSDP2 once kept the root's gathered (EMA) weights for the next training step (model/sharding.py)
+    data["train"].update(parallel=parallel, nproc_per_node=nproc, validation_every=5, validation_prompts=2)
     data["phases"]["phase1"].update(batch_size=24 // (2 * nproc), grad_accum=2, epochs=10)
     params.write_text(yaml.safe_dump(data))
     return params
