@@ -43,7 +43,7 @@ class ShardedUNet(FullUNet):
 
     def load_live(self, ckpt: Path) -> None:
         """A replicated checkpoint's ``unet/`` cut into this rank's shards (a sharded one is read with the rest of
-        the state: :meth:`sdforge.training.checkpoint_manager.CheckpointManager.restore`)."""
+        the state: :meth:`sdforge.training.checkpoint_restore.CheckpointRestore.restore`)."""
         live = checkpoint_unet_weights(ckpt / "unet", family_of(self.unet))
         mine = self.unet.state_dict()
         if set(live) != set(mine) or any(live[k].shape != mine[k].shape for k in mine):
