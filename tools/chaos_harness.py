@@ -111,7 +111,6 @@ def prepare(workdir: Path) -> Path:
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["phases"][PHASE].update(mix={"laion": 0.5, "diffusiondb": 0.5}, samples=64, epochs=2, grad_accum=1)
     params["train"].update(save_steps=3, keep_last=3, async_checkpoint="on")  # background writes (issue 38)
-    params["phases"][PHASE]["posthoc_ema"] = False  # sharded runs refuse it (docs/PARALLEL.md); one rule for all
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _dvc(root, "repro", f"mix_phase@{PHASE}")
     return root

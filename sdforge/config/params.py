@@ -137,9 +137,7 @@ class Params(Section):
             f"{at}.adapter": p.adapter is not None,
             f"{at}.distill": p.distill is not None,
             f"{at}.optimizer: {p.optimizer}": p.optimizer != "adamw",
-            f"{at}.posthoc_ema with train.posthoc_sigma_rels": p.posthoc_ema and bool(train.posthoc_sigma_rels),
             "train.ema_device: cpu": train.ema_device == "cpu",
-            "train.nnodes > 1 (each node's shards would land on its own disk)": train.nnodes > 1,
         }
         return [key for key, blocked in checks.items() if blocked]
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from sdforge.io import OutputError
 
@@ -87,7 +88,9 @@ def fill(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def state_bytes(value) -> int:
-    """Bytes of every tensor in a nested state."""
+    """Bytes of every tensor in a nested state (of a sharded one: this rank's shards)."""
+    if isinstance(value, DTensor):  # this rank's shard
+        value = value.to_local()
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, dict):

@@ -20,8 +20,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -42,17 +40,12 @@ from sdforge.training.checkpoints import (
     PREFIX,
     Retention,
     capture_rng,
-    checkpoint_name,
 )
 from sdforge.training.checkpoints import save_checkpoint as write_checkpoint
 from sdforge.training.distributed import broadcast_object
 from sdforge.training.ledger import LEDGER_DIR, write_segment
 from sdforge.training.s3_checkpoints import BackgroundUploader, RemoteRun, run_url
-from sdforge.training.sharded_state import (
-    live_keys,
-    save_shards,
-    split_shards,
-)
+from sdforge.training.sharded_save import ShardedSave
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +56,7 @@ FIRST_WRITE_BYTES_PER_S = 100e6
 disk with the sha256 manifest: bench/README.md, checkpoint_write); afterwards from the measured writes."""
 
 
-class CheckpointManager(CheckpointRestore):
+class CheckpointManager(CheckpointRestore, ShardedSave):
     """The checkpoints of one job's run dir: save (every rank takes part), restore the newest good one, upload."""
 
     def __init__(self, job, run_dir: Path, fingerprint: str):
@@ -127,7 +120,7 @@ class CheckpointManager(CheckpointRestore):
         job, dist = self.job, self.job.dist
         state = self.state_dict()
         if job.model.sharded:
-            return self._save_sharded(state)
+            return self._save_sharded(state, wait)
         asynchronous = self._asynchronous(state)
         loss, rng, records = self._gathered(state)
         path = None
@@ -140,33 +133,6 @@ class CheckpointManager(CheckpointRestore):
             else:
                 path = self._write(*snapshot, job.model.live_tensors(), state)
         if dist.world > 1 and (wait or not asynchronous):
-            torch.distributed.barrier()
-        return path
-
-    def _save_sharded(self, state: dict) -> Path | None:
-        """Every rank writes its shards of the weights, optimizer and EMA (DCP) into a staging folder; the main rank
-        then makes the checkpoint of it (``sharded/``, ``state.pt`` without the shards, RNG, manifest over every
-        file). Blocking: the step waits for the whole write."""
-        job, dist = self.job, self.job.dist
-        if self.asynchronous is None:
-            self.asynchronous = False
-            log.info("checkpoints block the step (train.parallel: fsdp: every rank writes its shards with DCP)")
-        loss, rng, records = self._gathered(state)
-        state, flat = split_shards(state)
-        staging = self.run_dir / f"{checkpoint_name(job.state.progress.step)}.shards"
-        if dist.is_main:
-            for stale in self.run_dir.glob("*.shards"):  # a kill during an earlier write: never a checkpoint
-                shutil.rmtree(stale, ignore_errors=True)
-        if dist.world > 1:
-            torch.distributed.barrier()
-        save_shards({**flat, **live_keys(job.model.live_tensors())}, staging)
-        _kill_in_shards_point(job.state.progress.step)
-        path = None
-        if dist.is_main:
-            self._write_ledger(records)
-            snapshot = (copy.copy(job.state.progress), list(job.state.ledger_segments), rng, loss)
-            path = self._write(*snapshot, staging, state)
-        if dist.world > 1:
             torch.distributed.barrier()
         return path
 
@@ -257,14 +223,6 @@ def _slow_write_point() -> None:
     delay = float(os.environ.get("SDFORGE_SLOW_CHECKPOINT_S", "0"))
     if delay:
         time.sleep(delay)
-
-
-def _kill_in_shards_point(step: int) -> None:
-    """Fault injection for the sharded kill test: ``SDFORGE_KILL_IN_SHARDS_AT_STEP=N`` SIGKILLs every rank once its
-    shards of checkpoint N are staged, before the checkpoint exists (its manifest and rename)."""
-    if os.environ.get("SDFORGE_KILL_IN_SHARDS_AT_STEP") == str(step):
-        log.warning("SDFORGE_KILL_IN_SHARDS_AT_STEP=%d: killing this process inside a sharded write", step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _gather_to_main(dist, recent: list[float], state: dict, rng: dict, records: dict):

@@ -173,7 +173,7 @@ class FaultInjectionHook(Hook):
 
     def after_step(self, job, report) -> None:
         if os.environ.get("SDFORGE_KILL_AT_STEP") == str(report.step) and self.manager is not None:
-            self.manager.writer.wait()
+            self.manager.finish_writes()  # every rank: a rank that died first would take the main rank's write along
         _kill_point(report.step)
         _hang_point(report.step, job.dist.rank)
 

@@ -8,6 +8,9 @@ the card. A CPU run, and a single process, replicate (nothing to share the state
 from __future__ import annotations
 
 import logging
+import secrets
+import socket
+from pathlib import Path
 
 import torch
 
@@ -64,3 +67,30 @@ def ensure_process_group(dist: Dist) -> None:
     store = torch.distributed.HashStore()
     backend = "nccl" if dist.device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def require_shared_folder(folder: Path, dist: Dist) -> None:
+    """Every rank of a sharded run writes its own shards into the run dir ``folder``, and every rank reads them all
+    back on a resume (and on another world size): an InputError on every rank naming the ranks (and hosts) that do
+    not see a file the main rank just wrote there — a multi-node run whose nodes each have their own ``paths.runs``.
+    A collective; nothing to check for one process."""
+    if dist.world == 1:
+        return
+    token = [secrets.token_hex(8) if dist.is_main else None]
+    probe = Path(folder) / f".shared-probe-{token[0]}" if dist.is_main else None
+    if dist.is_main:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe.write_text(socket.gethostname())
+    torch.distributed.broadcast_object_list(token, src=0)  # after the write: the probe is there for every rank
+    probe = Path(folder) / f".shared-probe-{token[0]}"
+    seen = [None] * dist.world
+    torch.distributed.all_gather_object(seen, (probe.is_file(), socket.gethostname()))
+    if dist.is_main:
+        probe.unlink()
+    blind = [f"{rank} on {host}" for rank, (ok, host) in enumerate(seen) if not ok]
+    if blind:
+        raise InputError(
+            f"train.parallel: fsdp writes every rank's shards into the run dir {folder}, and rank(s) "
+            f"{', '.join(blind)} do not see it (a node's own disk?): put paths.runs on storage every node mounts "
+            "(on the cluster: cluster.work_pvc, a ReadWriteMany claim), or set train.parallel: ddp"
+        )

@@ -22,6 +22,7 @@ from sdforge.training.hooks import CheckpointHook, FaultInjectionHook, Hook, Hoo
 from sdforge.training.inputs import phase_inputs
 from sdforge.training.job import TrainJob
 from sdforge.training.loop import train_loop
+from sdforge.training.parallel import require_shared_folder
 from sdforge.training.posthoc import PosthocEmaHook
 from sdforge.training.preemption import Preempted, PreemptionNotice
 from sdforge.training.reporting import StepRecordHook
@@ -54,6 +55,8 @@ def _train(params: Params, phase_name: str, notice: PreemptionNotice, extra: lis
     inputs = phase_inputs(params, phase_name)
     runs = Path(params.paths.runs)
     run_dir, moved = open_run_dir(runs, phase_name, inputs, dist.is_main, params.train.checkpoint_s3)
+    if job.model.sharded:
+        require_shared_folder(run_dir, dist)  # every rank writes its shards there and reads all of them back
     manager = CheckpointManager(job, run_dir, inputs.fingerprint)
     restored = manager.restore_newest()
     keep_global_batch(job, run_dir, restored is not None)

@@ -29,6 +29,7 @@ from sdforge.io import naming_write_faults
 from sdforge.output_dirs import refuse_workspace_target, resolved
 from sdforge.training.checkpoints import POSTHOC_DIR
 from sdforge.training.hooks import Hook
+from sdforge.training.sharded_state import gathered, shard_like
 from sdforge.training.val_loss import HeldOutLoss, ValLossHook
 
 log = logging.getLogger(__name__)
@@ -151,14 +152,20 @@ class PosthocEmaHook(Hook):
         return step in self.steps
 
     def after_step(self, job, report) -> None:
-        if job.dist.is_main and report.step in self.steps:
-            with job.busy("posthoc snapshot"):
-                job.optim.settle()
-                ema = job.optim.posthoc
-                write_snapshot(snapshot_path(self.run_dir, report.step), report.step, ema.sigma_rels, ema.shadows)
+        main = job.dist.is_main
+        if report.step not in self.steps or not (main or job.model.sharded):
+            return
+        with job.busy("posthoc snapshot"):
+            job.optim.settle()
+            ema = job.optim.posthoc
+            # sharded: every rank takes part in gathering each whole tensor, the main rank keeps and writes them
+            shadows = [[gathered(t, main) for t in shadow] for shadow in ema.shadows]
+            if main:
+                write_snapshot(snapshot_path(self.run_dir, report.step), report.step, ema.sigma_rels, shadows)
 
     def end(self, job) -> None:
-        if not job.dist.is_main:
+        """Choose the exported EMA (the main rank; every rank of a sharded model, whose forward is collective)."""
+        if not (job.dist.is_main or job.model.sharded):
             return
         start = time.perf_counter()
         with job.busy("posthoc choice"):
@@ -180,6 +187,10 @@ class PosthocEmaHook(Hook):
             raise ValueError(f"train@{self.phase_name}: post-hoc EMA needs held-out samples; set train.held_out > 0")
         paths = [snapshot_path(self.run_dir, s) for s in self.steps]
         missing = [str(p) for p in paths if not p.is_file()]
+        if job.model.sharded:  # the main rank's view: it wrote them, and the others may be ahead of its last write
+            box = [missing]
+            torch.distributed.broadcast_object_list(box, src=0)
+            missing = box[0]
         ema, step = job.optim.posthoc, job.state.progress.step
         scores, best, best_weights = {FIXED: self._fixed_score(job, held_out, step)}, FIXED, None
         self.metrics["posthoc_ema.missing_snapshots"] = len(missing)
@@ -194,12 +205,18 @@ class PosthocEmaHook(Hook):
             if scores[name]["val_loss"] < scores[best]["val_loss"]:
                 best, best_weights = name, weights
         if best_weights is not None:
-            fixed = {str(k): t.detach().cpu().contiguous() for k, t in enumerate(job.optim.ema.shadow_params)}
-            save_file(fixed, self.run_dir / POSTHOC_DIR / FIXED_EMA)
+            self._keep_fixed(job)
             with torch.no_grad():
                 for shadow, t in zip(job.optim.ema.shadow_params, best_weights, strict=True):
-                    shadow.copy_(t.to(shadow.device, shadow.dtype))
+                    shadow.copy_(shard_like(t, shadow))
         return best, scores
+
+    def _keep_fixed(self, job) -> None:
+        """Write the fixed-decay EMA beside the snapshots (the main rank; every rank gathers a sharded one)."""
+        main = job.dist.is_main
+        fixed = {str(k): gathered(t, main) for k, t in enumerate(job.optim.ema.shadow_params)}
+        if main:
+            save_file({k: t.contiguous() for k, t in fixed.items()}, self.run_dir / POSTHOC_DIR / FIXED_EMA)
 
     def _fixed_score(self, job, held_out: HeldOutLoss, step: int) -> dict[str, float]:
         """The fixed-decay EMA's validation loss at ``step``: the validation-loss hook's end measurement, or

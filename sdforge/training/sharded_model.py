@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from model.denoisers import family_of
-from model.sharding import set_gradient_sync, whole
+from model.sharding import set_gradient_sync
 from sdforge.training.checkpoints import CheckpointError
 from sdforge.training.distributed import Dist
-from sdforge.training.sharded_state import SHARDS_DIR, distribute_like
+from sdforge.training.sharded_state import SHARDS_DIR, distribute_like, gathered
 from sdforge.training.trained_model import FullUNet, checkpoint_unet_weights
 
 
@@ -57,8 +57,8 @@ class ShardedUNet(FullUNet):
         (unsharded) copy of the model in :attr:`unet` and whole shadow weights in ``ema`` (what the export reads);
         the other ranks drop their shards. Memory on the main rank: the weights twice, on the CPU."""
         main = self.world == 1 or torch.distributed.get_rank() == 0
-        live = {name: _gathered(t, main) for name, t in self.unet.state_dict().items()}
-        shadows = [_gathered(t, main) for t in ema.shadow_params]
+        live = {name: gathered(t, main) for name, t in self.unet.state_dict().items()}
+        shadows = [gathered(t, main) for t in ema.shadow_params]
         if not main:
             return
         plain = family_of(self.unet).model_class().from_config(self.unet.config)
@@ -66,9 +66,3 @@ class ShardedUNet(FullUNet):
         self.unet, self.trainable = plain, list(plain.parameters())
         ema.shadow_params = shadows
         gc.collect()
-
-
-def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
-    """The whole of a shard on the CPU where ``keep`` (every rank takes part in the gather), else None."""
-    full = whole(tensor.detach())
-    return full.cpu() if keep else None

@@ -95,3 +95,17 @@ def distribute_like(saved: Any, current: Any) -> Any:
         items = [distribute_like(s, c) for s, c in zip(saved, current, strict=True)]
         return items if isinstance(saved, list) else tuple(items)
     return saved
+
+
+def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """The whole of ``tensor`` on the CPU where ``keep``, else None. A shard is all-gathered (a collective: every
+    rank calls it, those that do not ``keep`` only help); a whole tensor is returned as it is."""
+    full = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    return full.cpu() if keep else None
+
+
+def shard_like(tensor: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """A whole ``tensor`` as ``current`` holds it: this rank's shard where ``current`` is a ``DTensor`` (no
+    communication), else ``tensor`` on ``current``'s device and dtype."""
+    return distribute_like(tensor.to(dtype=current.dtype), current) if isinstance(current, DTensor) else tensor.to(
+        current.device, current.dtype)

@@ -31,6 +31,7 @@ from sdforge.io import held_out_path
 from sdforge.latents.loader import LatentIndexDataset
 from sdforge.training.conditioning import Conditioning
 from sdforge.training.hooks import Hook
+from sdforge.training.sharded_state import shard_like
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,9 @@ class HeldOutLoss:
 
 @torch.no_grad()
 def _copy_into(params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> None:
+    """``tensors`` into ``params``: whole tensors (a rebuilt EMA) into a sharded model's shards too."""
     for p, t in zip(params, tensors, strict=True):
-        p.copy_(t.to(p.device, p.dtype))
+        p.copy_(shard_like(t, p))
 
 
 class ValLossHook(Hook):

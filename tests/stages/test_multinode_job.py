@@ -37,10 +37,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job_pods(root, params_file):
-    """The rendered job's container and its params, with the stand-ins above; (command, env) per pod."""
+def _job_pods(root, params_file, parallel: str = "ddp"):
+    """The rendered job's container and its params (``train.parallel``: ``parallel``), with the stand-ins above;
+    (command, env) per pod."""
     data = yaml.safe_load(params_file.read_text())
-    data["train"].update(nnodes=2, nproc_per_node=1)
+    data["train"].update(nnodes=2, nproc_per_node=1, parallel=parallel)
     data["phases"]["phase1"]["batch_size"] = 4  # 2 nodes x 1 x 4 x accumulation 2 = the 1-process run's 16
     data["cluster"] = {"enabled": True, "image": "registry.example.com/sdforge:test", "work_pvc": "sdforge-work"}
     config_map, _service, job = training_job(data, "phase1")
@@ -61,22 +62,42 @@ def _job_pods(root, params_file):
     return [(command, {**base, **env, NODE_RANK_ENV: str(index)}) for index in range(job["spec"]["completions"])]
 
 
-@pytest.fixture(scope="module")
-def two_pods(tmp_path_factory, straight_phase1):
-    """phase1 trained, uninterrupted, by the job's two pods; the workspace root."""
-    root = tmp_path_factory.mktemp("two-pods")
-    ended = run_node_agents(_job_pods(root, untrained_clone(straight_phase1, root)), root)
+def _train_on_two_pods(root: Path, straight_phase1: Path, parallel: str) -> Path:
+    """phase1 trained, uninterrupted, by the job's two pods in ``root``; ``root``."""
+    ended = run_node_agents(_job_pods(root, untrained_clone(straight_phase1, root), parallel), root)
     outputs = [out for _, out in ended]
     assert [rc for rc, _ in ended] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "--nnodes 2 --node_rank 0" in outputs[0] and "--nnodes 2 --node_rank 1" in outputs[1]
     return root
 
 
+@pytest.fixture(scope="module")
+def two_pods(tmp_path_factory, straight_phase1):
+    """phase1 trained, uninterrupted, by the job's two pods (DDP); the workspace root."""
+    return _train_on_two_pods(tmp_path_factory.mktemp("two-pods"), straight_phase1, "ddp")
+
+
 def test_two_pods_of_the_job_train_like_one_process_with_the_same_global_batch(two_pods, straight_phase1):
-    root, one_root = two_pods, straight_phase1  # the shared one-process run: batch 8 × accumulation 2 = 16
+    _assert_like_one_process(two_pods, straight_phase1, "ddp")
+
+
+def test_two_pods_shard_the_model_over_the_nodes_like_one_process(tmp_path, straight_phase1):
+    """``train.parallel: fsdp`` across the two pods: each pod's rank writes its own shards into the shared work
+    dir (the job's ReadWriteMany claim; here one folder), every checkpoint holds both, and the result matches one
+    process."""
+    root = _train_on_two_pods(tmp_path, straight_phase1, "fsdp")
+    _assert_like_one_process(root, straight_phase1, "fsdp")
+    newest = sorted((root / "runs/phase1").glob("checkpoint-*"))[-1]
+    files = json.loads((newest / "COMPLETE").read_text())["files"]
+    assert sorted(f for f in files if f.startswith("sharded/")) == [
+        "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp"]  # fmt: skip
+
+
+def _assert_like_one_process(root: Path, one_root: Path, parallel: str) -> None:
+    """``root``'s phase1 (two pods) against the shared one-process run (batch 8 × accumulation 2 = 16)."""
     two_metrics = json.loads((root / "metrics/train/phase1.json").read_text())
     one_metrics = json.loads((one_root / "metrics/train/phase1.json").read_text())
-    assert two_metrics["world_size"] == 2 and one_metrics["world_size"] == 1
+    assert (two_metrics["world_size"], two_metrics["parallel"], one_metrics["world_size"]) == (2, parallel, 1)
     assert two_metrics["global_batch"] == one_metrics["global_batch"] == 16
     assert two_metrics["steps"] == one_metrics["steps"] == 6
     for sub in ("unet", "unet_ema"):

@@ -6,11 +6,19 @@ import json
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
+from safetensors.torch import load_file
 
 from model.denoisers import family
 from sdforge.training.checkpoints import PREFIX, STATE
 from sdforge.training.posthoc import POSTHOC_DIR, rebuild, snapshot_steps
-from tests.fixtures.training import build_workspace, edit_params, train, untrained_clone, weights
+from tests.fixtures.training import (
+    DDP_MAX_ABS_DIFF,
+    build_workspace,
+    edit_params,
+    train,
+    untrained_clone,
+    weights,
+)
 
 SIGMA_RELS, CANDIDATES = [0.05, 0.1], [0.05, 0.15, 0.25]
 
@@ -135,6 +143,31 @@ def test_every_candidate_can_be_read_back_and_scored_offline(straight, tmp_path)
         val = held_out.measure_unet(unet, conditioning, params.phase_objective("phase1"))["val_loss"]
         assert val == pytest.approx(m[f"posthoc_ema.val_loss.{name}"], abs=2e-6)
     assert all(torch.equal(before[n], t) for n, t in weights(root, "phase1", "unet_ema").items())  # untouched
+
+
+def test_two_sharded_ranks_killed_and_resumed_snapshot_and_choose_like_one_process(straight, tmp_path):
+    """``train.parallel: fsdp`` on 2 ranks (batch 4 each: the same global batch), SIGKILLed after step 3's snapshot
+    and resumed from step 2's sharded checkpoint (the tracked EMAs among its shards): every snapshot holds the whole
+    tensors, within the DDP tolerance of the one-process run's, the same candidate wins and ``unet_ema/`` agrees."""
+    params = untrained_clone(straight.parent, tmp_path)
+    edit_params(params, "train", parallel="fsdp", nproc_per_node=2)
+    edit_params(params, "phases.phase1", batch_size=4)
+    assert train(params, "phase1", kill_at=3).returncode != 0
+    done = train(params, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, theirs = _metrics(params), _metrics(straight)
+    assert (ours["parallel"], ours["world_size"], ours["resumed_at_step"]) == ("fsdp", 2, 2)
+    assert ours["posthoc_ema.sigma_rel"] == theirs["posthoc_ema.sigma_rel"]
+    for name in ("fixed", "0.05", "0.15", "0.25"):
+        key = f"posthoc_ema.val_loss.{name}"
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
+    for step in (1, 2, 3, 4):
+        snapshot = f"runs/phase1/{POSTHOC_DIR}/step-{step:08d}.safetensors"
+        a, b = load_file(tmp_path / snapshot), load_file(straight.parent / snapshot)
+        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= DDP_MAX_ABS_DIFF, snapshot
+    a, b = weights(tmp_path, "phase1", "unet_ema"), weights(straight.parent, "phase1", "unet_ema")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= DDP_MAX_ABS_DIFF
 
 
 def test_a_phase_that_opts_out_keeps_the_fixed_ema_only(straight, tmp_path):

@@ -4,6 +4,7 @@ into shards and the rest (the sharded runs themselves: tests/stages/test_train_f
 from __future__ import annotations
 
 import logging
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from sdforge.config import parse_params
 from sdforge.io import InputError
 from sdforge.training.distributed import Dist
-from sdforge.training.parallel import STATE_BYTES_PER_PARAM, choose_sharding
+from sdforge.training.parallel import STATE_BYTES_PER_PARAM, choose_sharding, require_shared_folder
 from sdforge.training.sharded_state import PLACEHOLDER, live_keys, load_shards, save_shards, split_shards
 from tests.fixtures.training import REPO
 
@@ -58,14 +59,13 @@ def test_auto_falls_back_to_ddp_with_the_blocking_keys_named(card, caplog):
 
 
 def test_fsdp_refuses_a_phase_it_does_not_support_by_key():
-    """The demo's phase 8 (an adapter learning words), phase 9 (distillation) and phase 1 (post-hoc EMA) are named;
-    the params themselves load (other phases may shard), and phase 2 has nothing in the way."""
+    """The demo's phase 8 (an adapter learning words) and phase 9 (distillation) are named; the params themselves
+    load (other phases may shard), and phases 1 (post-hoc EMA) and 2 have nothing in the way."""
     data = yaml.safe_load((REPO / "params.yaml").read_text())
     data["train"]["parallel"] = "fsdp"
     params = parse_params(data)
-    assert params.fsdp_blockers("phase2") == []
-    for phase, key in (("phase8", "phases.phase8.adapter"), ("phase9", "phases.phase9.distill"),
-                       ("phase1", "phases.phase1.posthoc_ema")):  # fmt: skip
+    assert params.fsdp_blockers("phase2") == params.fsdp_blockers("phase1") == []  # phase 1's post-hoc EMA shards
+    for phase, key in (("phase8", "phases.phase8.adapter"), ("phase9", "phases.phase9.distill")):
         blockers = params.fsdp_blockers(phase)
         assert any(b.startswith(key) for b in blockers), blockers
         with pytest.raises(InputError, match=key.replace(".", r"\.")):
@@ -112,3 +112,40 @@ def test_sharded_state_round_trips_through_dcp(one_rank_group, tmp_path, sharded
     assert torch.equal(_whole(filled["ema"]["shadow_params"][0]), moments + 1)
     assert torch.equal(_whole(live["w"]), moments * 2)  # read in place
     assert filled["ema"]["decay"] == 0.99 and float(filled["optimizer"]["state"][0]["step"]) == 3.0
+
+
+def test_a_sharded_run_needs_one_run_dir_every_rank_sees(tmp_path):
+    """2 gloo ranks, each given its own folder (what two nodes with their own disks see): every rank gets the error
+    naming rank 1 and what to do. (One shared folder passes in every sharded stage test, which leave no probe.)"""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.SimpleQueue(), _free_port()
+    folders = [tmp_path / "node0/runs", tmp_path / "node1/runs"]
+    procs = [ctx.Process(target=_probing_rank, args=(r, port, folders[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    results = dict(queue.get() for _ in range(2))
+    assert sorted(results) == [0, 1]
+    assert all(f"rank(s) 1 on {socket.gethostname()} do not see it" in r for r in results.values()), results
+    assert all("cluster.work_pvc" in r and "train.parallel: ddp" in r for r in results.values())
+    assert list((tmp_path / "node0/runs").iterdir()) == []  # the main rank's probe removed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probing_rank(rank: int, port: int, folder, queue) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        require_shared_folder(folder, Dist(rank, 2, rank, torch.device("cpu")))
+        queue.put((rank, "ok"))
+    except InputError as err:
+        queue.put((rank, str(err)))
+    finally:
+        torch.distributed.destroy_process_group()
