@@ -3,9 +3,10 @@
 ``python -m bench.compile_time [--quick] [--config full|demo] [--device auto|cpu|cuda] [--batch N] [--limit S]``
 
 Each mode runs in its own subprocess with its own empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` in a
-temp dir, so neither finds the other's kernels): build the config's UNet (seed 0, gradient checkpointing as
-the config's ``train.gradient_checkpointing``, bf16 autocast where :func:`model.precision.uses_bf16_autocast`
-says), :func:`model.speed.compile_unet` it, then three forward + backward passes of an MSE loss at the config's
+temp dir, so neither finds the other's kernels): build the config's UNet (seed 0, every block checkpointed
+unless the config's ``train.activation_checkpointing`` is off), bf16 autocast where
+:func:`model.precision.uses_bf16_autocast` says), :func:`model.speed.compile_unet` it, then three forward +
+backward passes of an MSE loss at the config's
 latent size (no optimizer: compile covers the forward and backward graphs; AdamW does not change them).
 ``compile_s`` = the first pass minus the median of the next two (the work of compiling, not of the step);
 ``dynamo_s`` = torch's own total (:func:`model.speed.compile_seconds`, what the train metrics report as
@@ -47,7 +48,7 @@ def measure_mode(config: str, mode: str, device_name: str, batch: int) -> dict[s
     params = load_params(CONFIGS[config])
     device = torch.device(device_name)
     unet = build_unet(unet_config(params.models.unet.model_dump()), seed=0).to(device).train()
-    if params.train.gradient_checkpointing:
+    if params.train.activation_checkpointing != "off":  # full (auto and selective: the trainer plans them)
         unet.enable_gradient_checkpointing()
     compiled = compile_unet(unet, mode)
     spec = params.models.unet

@@ -158,7 +158,7 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
     ``attention``: ``train.attention``, both through :mod:`model.speed` as the trainer applies them; ``parallel``:
     ``fsdp`` shards the model over this one process as ``train.parallel: fsdp`` does, the wrapper's own cost)."""
     phase = next(iter(params.phases.values()))
-    update = {"gradient_checkpointing": ckpt, "compile": compile_, "attention": attention}
+    update = {"activation_checkpointing": "full" if ckpt else "off", "compile": compile_, "attention": attention}
     if channels_last is not None:
         update["channels_last"] = channels_last
     cfg = params.train.model_copy(update=update)

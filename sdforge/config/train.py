@@ -66,8 +66,6 @@ class PrecisionSettings(Section):
     """Allow TF32 matmuls/convolutions on CUDA."""
     text_encoder_dtype: Literal["fp32", "bf16"] = "bf16"
     """The frozen text encoder's dtype on CUDA (CPU: fp32)."""
-    gradient_checkpointing: bool = False
-    """Recompute each UNet block's activations in the backward pass (non-reentrant): less memory, ~20 % slower."""
     channels_last: bool = False
     compile: Literal["off", "blocks", "unet"] = "off"
     """``torch.compile``: ``blocks`` compiles the UNet's repeated ResNet and transformer blocks (regional
@@ -163,6 +161,43 @@ class LaunchSettings(Section):
         return self
 
 
+class MemorySettings(Section):
+    """What a rank keeps for the backward, and the memory it plans for (:mod:`sdforge.training.memory_plan`,
+    docs/MEMORY.md). Recomputing activations does not change the weights, and ``auto`` keeps the global batch
+    through accumulation: the job's shape (a run resumes across a change)."""
+
+    EFFECT = Effect.JOB
+
+    activation_checkpointing: Literal["off", "full", "selective", "auto"] = "off"
+    """Recompute activations in the backward (non-reentrant), by checkpoint unit (the UNet's down/mid/up blocks;
+    an MM-DiT as a whole): ``full`` every unit (~20 % slower, 2.4–3× less peak memory on SD1.5); ``selective`` the
+    fewest units, by activation bytes saved per recomputed FLOP (the 64×64 level first), that fit the configured
+    micro-batch in ``memory_budget_gib`` (no budget: those whose recompute stays within a third of the forward);
+    ``auto`` the units and the micro-batch (≤ ``phases.<p>.batch_size``, the global batch kept through
+    accumulation) with the best forecast speed that fits the budget. Both measure the model's activations at the
+    start (batch 1 and 2). ``gradient_checkpointing: true``, the older key, reads as ``full``."""
+    memory_budget_gib: float | None = Field(None, gt=0)
+    """The memory one rank may use, GiB (null: the card's total; on a CPU none, so ``auto`` checkpoints nothing).
+    Emulates a smaller card for ``auto``/``selective``; 90 % of it is planned for (fragmentation, CUDA's own)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_key(cls, data):
+        """``gradient_checkpointing: true|false`` (before ``activation_checkpointing``) reads as ``full``/``off``."""
+        if not isinstance(data, dict) or "gradient_checkpointing" not in data:
+            return data
+        data = dict(data)
+        older = data.pop("gradient_checkpointing")
+        if not isinstance(older, bool):
+            raise ValueError("train.gradient_checkpointing: true or false (or use train.activation_checkpointing)")
+        now = data.get("activation_checkpointing")
+        if now is not None and now != ("full" if older else "off"):
+            raise ValueError(f"train.gradient_checkpointing {older} and train.activation_checkpointing {now} "
+                             "disagree: keep activation_checkpointing only")  # fmt: skip
+        data["activation_checkpointing"] = "full" if older else "off"
+        return data
+
+
 class ResilienceSettings(Section):
     """Failure handling: a graceful stop on preemption and the hang watchdog (docs/RESILIENCE.md)."""
 
@@ -184,6 +219,7 @@ class Train(
     OptimizerSettings,
     EmaSettings,
     PrecisionSettings,
+    MemorySettings,
     CheckpointSettings,
     ReportingSettings,
     LaunchSettings,
@@ -195,8 +231,8 @@ class Train(
       the weights a run trains (:attr:`Effect.WEIGHTS`); a run dir from other values is not resumed.
     - :class:`CheckpointSettings`, :class:`ReportingSettings`, :class:`ResilienceSettings`: retention,
       reporting and failure handling (:attr:`Effect.NONE`); a run resumes across a change, bit-identically.
-    - :class:`LaunchSettings`: the job's shape (:attr:`Effect.JOB`); a run resumes on another world size with
-      its global batch kept (docs/RESILIENCE.md).
+    - :class:`LaunchSettings`, :class:`MemorySettings`: the job's shape (:attr:`Effect.JOB`); a run resumes on
+      another world size, or with other checkpointing, with its global batch kept (docs/RESILIENCE.md).
 
     :func:`sdforge.config.keys_by_effect` lists every key's effect."""
 

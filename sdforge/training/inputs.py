@@ -55,6 +55,12 @@ MODEL_FILES = (
 second encoder's folders exist for the mmdit family only (a missing folder adds nothing to the digest)."""
 
 
+RECLASSIFIED = frozenset({"train.gradient_checkpointing"})
+"""Keys an older sdforge counted among the weights' inputs and this one does not (``gradient_checkpointing`` became
+the job-shape key ``activation_checkpointing``): a run dir whose recorded inputs differ from today's in these keys
+only is the same run, kept and restamped (:func:`sdforge.training.run_dir.open_run_dir`)."""
+
+
 @dataclass(frozen=True)
 class InputRecord:
     """A phase's inputs: ``params`` (dotted key → value) and ``files`` (name → digest)."""

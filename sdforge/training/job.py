@@ -11,6 +11,7 @@ import logging
 import os
 from pathlib import Path
 
+from model.activation_memory import checkpoint_units, set_checkpointing
 from model.denoisers import family
 from model.speed import CUDA_ONLY, attention_backends, deterministic_attention
 from sdforge.config import Params
@@ -18,6 +19,7 @@ from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
 from sdforge.training.conditioning import Conditioning, set_kernel_policy
 from sdforge.training.distributed import Dist
+from sdforge.training.memory_plan import MemoryPlan, budget_bytes, plan_memory, rank_state_bytes
 from sdforge.training.model_setup import build_trained_model
 from sdforge.training.optimization import Optimization
 from sdforge.training.state import Plan, TrainState
@@ -75,7 +77,10 @@ class TrainJob(JobEvents):
         words = self.phase.adapter.words if self.phase.adapter is not None else []
         learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
         blockers = tuple(params.fsdp_blockers(phase_name))
-        self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers)
+        largest = max(self.data.latent_shapes.values(), key=lambda shape: shape[-1] * shape[-2], default=None)
+        self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers,
+                                         tuple(largest[-2:]) if largest else None)  # fmt: skip
+        self.memory: MemoryPlan | None = None
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where, self.model.unet)
@@ -96,9 +101,33 @@ class TrainJob(JobEvents):
 
     def set_global_batch(self, global_batch: int) -> None:
         """Plan the phase for ``global_batch`` samples per step (a fresh run's, or the resumed run's): this job's
-        split of it, the steps per epoch, the LR schedule (a SplitError if it does not split)."""
-        self.plan = Plan.build(self.data, self.phase, self.phase_name, self.cfg, self.dist.world, global_batch)
+        split of it (within the memory plan: :mod:`sdforge.training.memory_plan`), the steps per epoch, the LR
+        schedule (a SplitError if it does not split)."""
+        self.memory = self._memory_plan(max(1, global_batch // self.dist.world))
+        self.plan = Plan.build(self.data, self.phase, self.phase_name, self.cfg, self.dist.world, global_batch,
+                               self.memory.micro)  # fmt: skip
         self.optim.plan(self.plan.total_steps)
+
+    def _memory_plan(self, per_rank: int) -> MemoryPlan:
+        """``train.activation_checkpointing`` for this rank's share of the global batch, set on the model and
+        logged."""
+        cfg, model = self.cfg, self.model
+        units = list(checkpoint_units(model.unet))
+        state = rank_state_bytes(model, cfg, self.optim.posthoc is not None)
+        plan = plan_memory(cfg.activation_checkpointing, units, model.activation_profile, state,
+                           budget_bytes(cfg, self.dist.device), per_rank, self.phase.batch_size)  # fmt: skip
+        set_checkpointing(model.unet, list(plan.checkpointed))
+        if cfg.activation_checkpointing != "off":
+            log.info("train.activation_checkpointing %s", plan.why)
+        return plan
+
+    def memory_metrics(self) -> dict:
+        """The memory plan's choice, for the phase's metrics."""
+        plan = self.memory
+        out = {"memory.checkpointed_units": len(plan.checkpointed), "memory.micro_batch_cap": plan.micro}
+        if plan.peak_bytes is not None:
+            out["memory.forecast_peak_gib"] = round(plan.peak_bytes / 2**30, 2)
+        return out
 
     def check_plan(self) -> None:
         """An InputError naming the keys when the phase has no optimizer step at its global batch."""

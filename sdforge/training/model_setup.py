@@ -1,6 +1,7 @@
 """The phase's trained model, built: the init weights (``init_from``, ``init_path``), its adapter, the speed
-switches (gradient checkpointing, channels_last, ``train.compile``) and the ranks' layout (``train.parallel``), in
-its strategy object (:mod:`sdforge.training.trained_model`, :mod:`sdforge.training.sharded_model`)."""
+switches (channels_last, ``train.compile``; activation checkpointing is the job's memory plan,
+:mod:`sdforge.training.memory_plan`, measured here first) and the ranks' layout (``train.parallel``), in its
+strategy object (:mod:`sdforge.training.trained_model`, :mod:`sdforge.training.sharded_model`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from model.activation_memory import ActivationProfile, measure_profile
 from model.adapters import add_adapter, count_parameters, lora_config, target_pattern
 from model.denoisers import DenoiserFamily, family
 from model.learned_words import LearnedWords
@@ -24,6 +26,11 @@ from sdforge.training.unet_init import load_foreign_weights, load_init_unet
 
 log = logging.getLogger(__name__)
 
+PROFILED = ("auto", "selective")
+"""The ``train.activation_checkpointing`` settings that measure the model's activations first."""
+PROBE_TOKENS = 77
+"""Text tokens of the probe's conditioning (CLIP's)."""
+
 
 def build_trained_model(
     params: Params,
@@ -32,12 +39,15 @@ def build_trained_model(
     bucket_shapes: int = 1,
     words: LearnedWords | None = None,
     blockers: tuple[str, ...] = (),
+    latent_hw: tuple[int, int] | None = None,
 ) -> FullUNet:
     """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
-    for training (gradient checkpointing, channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
+    for training (channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
     strategy object; an adapter phase's learned ``words`` (the text encoder's rows) train with it. Sharded over the
     ranks (:class:`ShardedUNet`) where ``train.parallel`` says so (:mod:`sdforge.training.parallel`; ``blockers``:
-    what of the phase sharding does not support)."""
+    what of the phase sharding does not support). With ``train.activation_checkpointing`` ``auto`` or
+    ``selective``, its activations are measured first at ``latent_hw`` (its ``activation_profile``; checkpointing
+    itself is set by the job's memory plan, :mod:`sdforge.training.memory_plan`)."""
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
@@ -51,20 +61,48 @@ def build_trained_model(
     if phase.adapter is not None:
         _add_unet_adapter(unet, phase.adapter, denoiser_family)
     unet.to(dist.device).train()
-    if cfg.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+    bf16 = uses_bf16_autocast(dist.device, cfg.mixed_precision)
+    profile = None
+    if cfg.activation_checkpointing in PROFILED and latent_hw is not None:  # before compile and sharding
+        profile = activation_profile(unet, denoiser_family, dist.device, bf16, latent_hw)
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
     compiled = compile_unet(unet, cfg.compile, bucket_shapes)
     if compiled:
         log.info("train.compile: %s — %d module(s) compiled at their first step", cfg.compile, compiled)
     if sharded:
-        bf16 = uses_bf16_autocast(dist.device, cfg.mixed_precision)
         units = shard_model(unet, denoiser_family.shard_blocks, dist.device, bf16)
         log.info("train.parallel: fsdp — %d unit(s) sharded over %d rank(s) (parameters %s, gradients reduced in "
                  "fp32)", units, dist.world, "bf16" if bf16 else "fp32")  # fmt: skip
-        return ShardedUNet(unet, dist, units)
-    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
+        model = ShardedUNet(unet, dist, units)
+    else:
+        model = FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
+    model.activation_profile = profile
+    return model
+
+
+def activation_profile(unet: torch.nn.Module, denoiser_family: DenoiserFamily, device: torch.device, bf16: bool,
+                       latent_hw: tuple[int, int]) -> ActivationProfile:  # fmt: skip
+    """What ``unet`` keeps for the backward per checkpoint unit (:func:`model.activation_memory.measure_profile`):
+    its training forward at batch 1 and 2 on ``device``, ``latent_hw`` latents and random conditioning, outside
+    the run's random streams."""
+    rows, width = denoiser_family.cond_shape(dict(unet.config), PROBE_TOKENS)
+    channels = denoiser_family.latent_channels(unet)
+
+    def forward_at(batch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, channels, *latent_hw, generator=gen).to(device)
+        cond = torch.randn(batch, rows, width, generator=gen).to(device)
+        t = torch.full((batch,), 500.0, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            return denoiser_family.predict(unet, x, t, cond).float().pow(2).mean()
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        profile = measure_profile(unet, forward_at)
+    log.info("activations per sample at %dx%d latents: %.3f GiB kept, %.3f GiB with every unit checkpointed",
+             *latent_hw, sum(profile.kept_per_sample.values()) / 2**30,
+             sum(profile.checkpointed_per_sample.values()) / 2**30)  # fmt: skip
+    return profile
 
 
 def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: DenoiserFamily) -> None:

@@ -22,7 +22,7 @@ import torch
 from sdforge.io import write_json
 from sdforge.training.distributed import broadcast_object
 from sdforge.training.exits import clear_markers
-from sdforge.training.inputs import InputRecord
+from sdforge.training.inputs import RECLASSIFIED, InputRecord
 from sdforge.training.s3_checkpoints import run_url
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,12 @@ def _set_aside_if_stale(run_dir: Path, inputs: InputRecord, checkpoint_s3: str |
     old = stamp.read_text().strip() if stamp.is_file() else "unstamped"
     if old == inputs.fingerprint:
         return None
-    target = _free_name(run_dir.with_name(f"{run_dir.name}{STALE_MARK}{old}"))
     why = _what_differs(run_dir, inputs)
+    if set(why) <= RECLASSIFIED:  # recorded by an older sdforge with keys that no longer change the weights
+        log.info("%s: recorded with %s, which no longer change the weights: the same run, restamped", run_dir,
+                 ", ".join(why))  # fmt: skip
+        return None
+    target = _free_name(run_dir.with_name(f"{run_dir.name}{STALE_MARK}{old}"))
     run_dir.rename(target)
     remote = run_url(checkpoint_s3, run_dir.name, old) if checkpoint_s3 else None
     note = {"moved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from": str(run_dir), "fingerprint": old,

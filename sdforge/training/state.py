@@ -36,9 +36,11 @@ class Plan:
     tail: str
 
     @classmethod
-    def build(cls, data: LatentIndexDataset, phase: Phase, phase_name: str, cfg: Train, world: int, global_batch: int):
-        """The plan for ``global_batch`` samples per step (a SplitError if ``world`` ranks cannot share it)."""
-        split = choose_split(global_batch, phase.batch_size, world, phase_name)
+    def build(cls, data: LatentIndexDataset, phase: Phase, phase_name: str, cfg: Train, world: int, global_batch: int,
+              micro: int | None = None):  # fmt: skip
+        """The plan for ``global_batch`` samples per step (a SplitError if ``world`` ranks cannot share it), with
+        micro-batches of at most ``micro`` (default ``phases.<p>.batch_size``; a memory plan's may be smaller)."""
+        split = choose_split(global_batch, micro or phase.batch_size, world, phase_name)
         lengths, counts = epochs_summary(data, phase.epochs, cfg.seed, global_batch, cfg.bucket_tail)
         return cls(split, lengths, counts, phase.epochs, cfg.seed, cfg.bucket_tail)
 

@@ -35,6 +35,9 @@ class FullUNet:
 
     sharded = False
     """Whether the weights are ``DTensor`` shards (:class:`ShardedUNet`)."""
+    activation_profile = None
+    """What the model keeps for the backward per checkpoint unit, measured before training
+    (:class:`model.activation_memory.ActivationProfile`; None unless a memory plan needs it)."""
 
     def __init__(self, unet: torch.nn.Module, dist: Dist):
         self.unet = unet

@@ -17,6 +17,7 @@ from sdforge.config import (
     Effect,
     EmaSettings,
     LaunchSettings,
+    MemorySettings,
     OptimizerSettings,
     Phase,
     PrecisionSettings,
@@ -31,15 +32,16 @@ from sdforge.config import (
 )
 
 CONCERNS = Train.__bases__
-"""TrainingRecipe, OptimizerSettings, EmaSettings, PrecisionSettings, CheckpointSettings, ReportingSettings,
-LaunchSettings, ResilienceSettings."""
+"""TrainingRecipe, OptimizerSettings, EmaSettings, PrecisionSettings, MemorySettings, CheckpointSettings,
+ReportingSettings, LaunchSettings, ResilienceSettings."""
 TRAIN_NONE = {
     "save_steps", "keep_last", "keep_every", "keep_best", "checkpoint_s3", "async_checkpoint",
     "log_every", "validation_every", "validation_prompts", "val_loss_every", "val_loss_timesteps", "val_loss_batch",
     "progress_bar",
     "preempt_grace_s", "hang_timeout_s",
 }  # fmt: skip
-TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "parallel"}
+TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "parallel", "activation_checkpointing",
+             "memory_budget_gib"}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,9 @@ def test_every_train_key_belongs_to_exactly_one_concern():
     owners = {key: [c.__name__ for c in CONCERNS if key in c.model_fields] for key in Train.model_fields}
     assert {key: names for key, names in owners.items() if len(names) != 1} == {}
     assert set(Train.model_fields) == {key for c in CONCERNS for key in c.model_fields}
-    assert len(CONCERNS) == 8 and all(issubclass(c, Section) and c.model_fields for c in CONCERNS)
+    assert len(CONCERNS) == 9 and all(issubclass(c, Section) and c.model_fields for c in CONCERNS)
     assert {c.EFFECT for c in (CheckpointSettings, ReportingSettings, ResilienceSettings)} == {Effect.NONE}
-    assert LaunchSettings.EFFECT is Effect.JOB
+    assert LaunchSettings.EFFECT is MemorySettings.EFFECT is Effect.JOB
     assert {c.EFFECT for c in (TrainingRecipe, OptimizerSettings, EmaSettings, PrecisionSettings)} == {Effect.WEIGHTS}
     assert "__annotations__" not in vars(Train) or not vars(Train)["__annotations__"]  # no key outside a concern
 

@@ -44,7 +44,7 @@ def test_derived_params_load_and_keep_the_full_configuration(tmp_path):
     assert list(params["phases"]) == list(FULL["phases"]) == [f"phase{i}" for i in range(0, 8)]
     for name, phase in params["phases"].items():
         assert {k: phase[k] for k in KEPT_PHASE_KEYS} == {k: FULL["phases"][name][k] for k in KEPT_PHASE_KEYS}
-    for key in ("mixed_precision", "gradient_checkpointing", "channels_last", "ema_decay", "adam_betas", "grad_clip"):
+    for key in ("mixed_precision", "activation_checkpointing", "channels_last", "ema_decay", "adam_betas", "grad_clip"):
         assert params["train"][key] == FULL["train"][key]
     assert params["encode"] == FULL["encode"]
 

@@ -26,6 +26,8 @@ CHANGES = {
         "val_loss_every": 2, "val_loss_timesteps": 4, "val_loss_batch": 8,  # measured: test_train_val_loss.py
         "preempt_grace_s": 40.0, "hang_timeout_s": 900.0,
         "rdzv_endpoint": "127.0.0.1:29999",  # a job-shape key that one process can change (no launch)
+        "activation_checkpointing": "selective",  # no budget on a CPU: the 64x64 level recomputed, bit-identical
+        "memory_budget_gib": 64.0,
     },
     "phases.phase1": {"description": "edited mid-phase", "eval_grid": False},
 }  # fmt: skip
@@ -85,6 +87,26 @@ def test_a_key_that_changes_no_weight_resumes_bit_identically(built, tmp_path, m
     assert metrics["resumed_at_step"] == 2 and metrics["steps"] == 6, f"{section}.{key}: not resumed"
     assert metrics["run_dir.moved_aside"] == "" and not stale_runs(tmp_path / "runs")
     assert _same(straight, tmp_path), f"{section}.{key}: weights differ from the uninterrupted run"
+
+
+def test_a_run_dir_recorded_with_a_reclassified_key_is_the_same_run(built, tmp_path, monkeypatch):
+    """A run dir an older sdforge recorded with ``train.gradient_checkpointing: true`` (then a weights key, now
+    ``activation_checkpointing: full``, the job's shape): kept, restamped and resumed, not moved aside."""
+    _, straight, crashed = built
+    params = clone_workspace(crashed, tmp_path)
+    edit_params(params, "train", gradient_checkpointing=True)
+    run_dir = tmp_path / "runs/phase1"
+    record = json.loads((run_dir / "inputs.json").read_text())
+    record["params"]["train.gradient_checkpointing"] = True
+    older = hashlib.sha256(json.dumps({"params": record["params"], "files": record["files"]}, sort_keys=True,
+                                      default=str).encode()).hexdigest()[:16]  # fmt: skip
+    (run_dir / "inputs.json").write_text(json.dumps({**record, "fingerprint": older}))
+    (run_dir / "fingerprint.txt").write_text(older + "\n")
+    monkeypatch.setenv("SDFORGE_PROGRESS", "0")
+    metrics = _train(params)
+    assert (metrics["resumed_at_step"], metrics["run_dir.moved_aside"]) == (2, "") and not stale_runs(tmp_path / "runs")
+    assert (run_dir / "fingerprint.txt").read_text().strip() == record["fingerprint"] != older
+    assert metrics["memory.checkpointed_units"] > 0 and _same(straight, tmp_path)
 
 
 def test_a_weight_key_moves_the_run_aside_and_deletes_nothing_local_or_remote(built, tmp_path, moto_s3, monkeypatch):
