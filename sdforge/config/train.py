@@ -178,7 +178,8 @@ class MemorySettings(Section):
     start (batch 1 and 2). ``gradient_checkpointing: true``, the older key, reads as ``full``."""
     memory_budget_gib: float | None = Field(None, gt=0)
     """The memory one rank may use, GiB (null: the card's total; on a CPU none, so ``auto`` checkpoints nothing).
-    Emulates a smaller card for ``auto``/``selective``; 90 % of it is planned for (fragmentation, CUDA's own)."""
+    ``auto``/``selective`` plan for 90 % of it (fragmentation, CUDA's own); on CUDA it is also the allocator's hard
+    limit (``set_per_process_memory_fraction``): a smaller card, emulated."""
 
     @model_validator(mode="before")
     @classmethod

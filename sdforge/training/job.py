@@ -19,7 +19,13 @@ from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
 from sdforge.training.conditioning import Conditioning, set_kernel_policy
 from sdforge.training.distributed import Dist
-from sdforge.training.memory_plan import MemoryPlan, budget_bytes, plan_memory, rank_state_bytes
+from sdforge.training.memory_plan import (
+    MemoryPlan,
+    budget_bytes,
+    cap_device_memory,
+    plan_memory,
+    rank_state_bytes,
+)
 from sdforge.training.model_setup import build_trained_model
 from sdforge.training.optimization import Optimization
 from sdforge.training.state import Plan, TrainState
@@ -77,6 +83,7 @@ class TrainJob(JobEvents):
         words = self.phase.adapter.words if self.phase.adapter is not None else []
         learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
         blockers = tuple(params.fsdp_blockers(phase_name))
+        cap_device_memory(self.cfg, dist.device)  # a budget on CUDA is a hard limit: a smaller card, emulated
         largest = max(self.data.latent_shapes.values(), key=lambda shape: shape[-1] * shape[-2], default=None)
         self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers,
                                          tuple(largest[-2:]) if largest else None)  # fmt: skip

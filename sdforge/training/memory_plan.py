@@ -162,3 +162,17 @@ def budget_bytes(cfg, device) -> float | None:
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
     return None
+
+
+def cap_device_memory(cfg, device) -> float | None:
+    """On CUDA with ``train.memory_budget_gib`` set: the budget also becomes the caching allocator's hard limit
+    (``torch.cuda.set_per_process_memory_fraction``), so a smaller card is emulated, not only planned for (a run
+    that outgrows it fails with CUDA's out-of-memory error). The fraction set; None elsewhere."""
+    if cfg.memory_budget_gib is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cfg.memory_budget_gib * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    log.info("train.memory_budget_gib %.1f: this process may allocate %.0f %% of the %.1f-GiB card",
+             cfg.memory_budget_gib, 100 * fraction, total / GIB)  # fmt: skip
+    return fraction

@@ -11,7 +11,7 @@ from model.activation_memory import OUTSIDE, checkpoint_units, measure_profile, 
 from model.denoisers import family
 from sdforge.config import Train
 from sdforge.io import InputError
-from sdforge.training.memory_plan import GIB, peak_bytes, plan_memory, saving_order
+from sdforge.training.memory_plan import GIB, cap_device_memory, peak_bytes, plan_memory, saving_order
 from tests.fixtures.sd15_profile import measure, stored
 from tests.fixtures.training import TRAIN_UNET
 
@@ -134,3 +134,19 @@ def test_the_stored_profile_is_what_the_probe_measures():
         a, b = getattr(ours, field), getattr(theirs, field)
         assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a), field
 
+
+
+def test_a_budget_on_cuda_is_the_allocators_hard_limit(monkeypatch):
+    """32 GiB on a pretend 80-GiB card: the fraction 0.4 is set for that device; no budget, or a CPU: nothing."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
+    cuda = torch.device("cuda", 0)
+    assert cap_device_memory(Train(memory_budget_gib=32), cuda) == pytest.approx(0.4)
+    assert calls == [(pytest.approx(0.4), cuda)]
+    assert cap_device_memory(Train(memory_budget_gib=120), cuda) == 1.0  # never above the card
+    assert cap_device_memory(Train(), cuda) is None
+    assert cap_device_memory(Train(memory_budget_gib=32), torch.device("cpu")) is None
+    assert len(calls) == 2
