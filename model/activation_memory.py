@@ -70,14 +70,6 @@ def _storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _nbytes(value) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.untyped_storage().nbytes()
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 @contextlib.contextmanager
 def _unit_scope(units: dict[str, torch.nn.Module], stack: list[str]) -> Iterator[None]:
     """Keep ``stack`` holding the unit whose forward is running (outermost first)."""

@@ -20,6 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from model.sharding import whole
+
 SHARDS_DIR = "sharded"
 """In a sharded checkpoint: DCP's folder (``__<rank>_0.distcp`` per rank, ``.metadata``) instead of ``unet/``."""
 PLACEHOLDER = "__shard__"
@@ -100,7 +102,7 @@ def distribute_like(saved: Any, current: Any) -> Any:
 def gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
     """The whole of ``tensor`` on the CPU where ``keep``, else None. A shard is all-gathered (a collective: every
     rank calls it, those that do not ``keep`` only help); a whole tensor is returned as it is."""
-    full = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    full = whole(tensor.detach())
     return full.cpu() if keep else None
 
 
