@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -104,13 +105,10 @@ def diffusion_loss(
 
 def cfg_dropout(cond: torch.Tensor, uncond: torch.Tensor, rate: float, generator: Generators) -> torch.Tensor:
     """Replace each sample's text condition ``[B, L, D]`` by ``uncond`` ``[1, L, D]`` with probability ``rate``."""
-    if rate <= 0:
-        return cond
-    drop = draw(generator, (cond.shape[0],), torch.rand) < rate
+    drop = drop_mask(cond.shape[0], rate, generator)
     if not bool(drop.any()):
         return cond
-    mask = to_device(drop, cond.device).view(-1, 1, 1)
-    return torch.where(mask, uncond.to(cond.dtype).expand_as(cond), cond)
+    return dropped_condition(cond, uncond, to_device(drop, cond.device))
 
 
 def part_dropout(cond: torch.Tensor, uncond: torch.Tensor, parts: list, generator: Generators) -> torch.Tensor:
@@ -119,15 +117,48 @@ def part_dropout(cond: torch.Tensor, uncond: torch.Tensor, parts: list, generato
     :class:`model.denoisers.CondPart`)."""
     if not parts:
         return cond
-    mask = torch.zeros(cond.shape, dtype=torch.bool)
-    for part, rate in parts:
-        drop = draw(generator, (cond.shape[0],), torch.rand) < rate
-        region = torch.zeros(cond.shape[1:], dtype=torch.bool)
-        region[part.rows, part.cols] = True
-        mask |= drop.view(-1, 1, 1) & region
-    if not bool(mask.any()):
+    drop = part_drop_mask(cond.shape[0], parts, generator)
+    if not bool(drop.any()):
         return cond
-    return torch.where(to_device(mask, cond.device), uncond.to(cond.dtype).expand_as(cond), cond)
+    regions = part_regions(parts, tuple(cond.shape[1:])).to(cond.device)
+    return dropped_condition(cond, uncond, torch.zeros(cond.shape[0], dtype=torch.bool, device=cond.device),
+                             to_device(drop, cond.device), regions)  # fmt: skip
+
+
+def drop_mask(batch: int, rate: float, generator: Generators) -> torch.Tensor:
+    """Which of ``batch`` samples lose their whole condition (``[B]`` bool): a draw each, none if ``rate`` ≤ 0."""
+    if rate <= 0:
+        return torch.zeros(batch, dtype=torch.bool)
+    return draw(generator, (batch,), torch.rand) < rate
+
+
+def part_drop_mask(batch: int, parts: list, generator: Generators) -> torch.Tensor:
+    """Which parts each sample loses (``[B, P]`` bool), one draw per part and sample in ``parts``' order."""
+    columns = [draw(generator, (batch,), torch.rand) < rate for _, rate in parts]
+    return torch.stack(columns, dim=1) if columns else torch.zeros(batch, 0, dtype=torch.bool)
+
+
+def part_regions(parts: list, shape: tuple[int, int]) -> torch.Tensor:
+    """Each ``(part, rate)``'s region of a ``[L, D]`` condition as a ``[P, L, D]`` bool mask."""
+    regions = torch.zeros(len(parts), *shape, dtype=torch.bool)
+    for k, (part, _) in enumerate(parts):
+        regions[k, part.rows, part.cols] = True
+    return regions
+
+
+def dropped_condition(
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    drop: torch.Tensor,
+    part_drop: torch.Tensor | None = None,
+    regions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``cond`` with ``uncond`` wherever a sample's whole prompt is dropped (``drop`` ``[B]``) or a dropped part's
+    region lies (``part_drop`` ``[B, P]`` of ``regions`` ``[P, L, D]``); all on ``cond``'s device, no host read."""
+    mask = drop.view(-1, 1, 1)
+    if part_drop is not None and part_drop.shape[1]:
+        mask = mask | (part_drop[:, :, None, None] & regions[None]).any(dim=1)
+    return torch.where(mask, uncond.to(cond.dtype).expand_as(cond), cond)
 
 
 def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int, final_ratio: float = 1e-2) -> float:
@@ -174,14 +205,59 @@ def optimizer_steps(samples_per_rank: int, batch_size: int, grad_accum: int, epo
     return math.ceil(batches / grad_accum) * epochs
 
 
-def training_noise(latents: torch.Tensor, generator: Generators, noise_offset: float = 0.0) -> torch.Tensor:
-    """Gaussian noise shaped like ``latents`` (on their device), plus ``noise_offset`` times a per-sample,
-    per-channel constant (Guttenberg 2023, the diffusers ``--noise_offset``), drawn in that order."""
+def draw_noise(shape: tuple[int, ...], generator: Generators, noise_offset: float = 0.0) -> torch.Tensor:
+    """Gaussian noise of ``shape`` (CPU), plus ``noise_offset`` times a per-sample, per-channel constant
+    (Guttenberg 2023, the diffusers ``--noise_offset``), drawn in that order."""
     randn = partial(torch.randn, dtype=torch.float32)
-    noise = draw(generator, tuple(latents.shape), randn)
+    noise = draw(generator, shape, randn)
     if noise_offset:
-        noise = noise + noise_offset * draw(generator, (latents.shape[0], latents.shape[1], 1, 1), randn)
-    return to_device(noise, latents.device)
+        noise = noise + noise_offset * draw(generator, (shape[0], shape[1], 1, 1), randn)
+    return noise
+
+
+def training_noise(latents: torch.Tensor, generator: Generators, noise_offset: float = 0.0) -> torch.Tensor:
+    """:func:`draw_noise` shaped like ``latents``, on their device."""
+    return to_device(draw_noise(tuple(latents.shape), generator, noise_offset), latents.device)
+
+
+@dataclass(frozen=True)
+class LossDraws:
+    """One micro-batch's random draws for the training loss, per sample from its CPU stream, in this order: the
+    noise (with its offset), the noise level (integer timesteps, or σ for rectified flow), the input perturbation ξ
+    (None without one). The loss is a pure function of these and the batch, so a static buffer can hold them (the
+    trainer's CUDA-graph step)."""
+
+    noise: torch.Tensor
+    level: torch.Tensor
+    xi: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> LossDraws:
+        """The draws on ``device`` (:func:`to_device`: no host synchronisation)."""
+        xi = None if self.xi is None else to_device(self.xi, device)
+        return LossDraws(to_device(self.noise, device), to_device(self.level, device), xi)
+
+    def model_noise(self, input_perturbation: float) -> torch.Tensor:
+        """The noise the model's input is built from: ``ε + γ·ξ`` (``ε`` without a perturbation)."""
+        return self.noise if self.xi is None else self.noise + input_perturbation * self.xi
+
+
+def draw_xi(shape: tuple[int, ...], generator: Generators, input_perturbation: float) -> torch.Tensor | None:
+    """The input perturbation's ``ξ ~ N(0, 1)`` (CPU), or None (no draw) without one."""
+    return draw(generator, shape, partial(torch.randn, dtype=torch.float32)) if input_perturbation else None
+
+
+def draw_denoising(
+    shape: tuple[int, ...],
+    num_train_timesteps: int,
+    generator: Generators,
+    noise_offset: float = 0.0,
+    logit_normal: tuple[float, float] | None = None,
+    input_perturbation: float = 0.0,
+) -> LossDraws:
+    """:func:`denoising_loss`'s draws for latents of ``shape``: noise, offset, timestep, ξ (CPU)."""
+    noise = draw_noise(shape, generator, noise_offset)
+    timesteps = sample_timesteps(shape[0], num_train_timesteps, generator, logit_normal)
+    return LossDraws(noise, timesteps, draw_xi(shape, generator, input_perturbation))
 
 
 def denoising_loss(
@@ -204,18 +280,30 @@ def denoising_loss(
     instead of from the prompt. Timesteps uniformly, or logit-normal with ``logit_normal = (mean, std)``
     (:func:`sample_timesteps`). ``input_perturbation`` γ (Ning et al. 2023, diffusers
     ``--input_perturbation``): the UNet's input is noised with ``noise + γ·ξ``, the target keeps ``noise``.
-    Draws per sample, in this order: noise, offset, timestep, ξ — all from the CPU ``generator``.
+    Draws per sample, in this order: noise, offset, timestep, ξ — all from the CPU ``generator``
+    (:func:`draw_denoising`; the loss given them: :func:`denoising_loss_from`).
     """
-    noise = training_noise(latents, generator, noise_offset)
-    timesteps = sample_timesteps(latents.shape[0], scheduler.config.num_train_timesteps, generator, logit_normal)
-    timesteps = to_device(timesteps, latents.device)
-    model_noise = noise
-    if input_perturbation:
-        xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
-        model_noise = noise + input_perturbation * xi
-    noisy = scheduler.add_noise(latents, model_noise, timesteps)
+    T = scheduler.config.num_train_timesteps
+    draws = draw_denoising(tuple(latents.shape), T, generator, noise_offset, logit_normal, input_perturbation)
+    return denoising_loss_from(unet, scheduler, latents, cond, draws.to(latents.device), min_snr_gamma,
+                               input_perturbation, reduce)  # fmt: skip
+
+
+def denoising_loss_from(
+    unet: torch.nn.Module,
+    scheduler: DDPMScheduler,
+    latents: torch.Tensor,
+    cond: torch.Tensor,
+    draws: LossDraws,
+    min_snr_gamma: float | None,
+    input_perturbation: float = 0.0,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """:func:`denoising_loss` given its draws (on the latents' device): device work only, no host read."""
+    timesteps = draws.level
+    noisy = scheduler.add_noise(latents, draws.model_noise(input_perturbation), timesteps)
     pred = family_of(unet).predict(unet, noisy, timesteps, cond)
-    target = training_target(scheduler, latents, noise, timesteps)
+    target = training_target(scheduler, latents, draws.noise, timesteps)
     return diffusion_loss(pred, target, min_snr_weights(scheduler, timesteps, min_snr_gamma), reduce)
 
 

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 
 from model.denoisers import family_of
-from model.diffusion import Generators, diffusion_loss, draw, to_device, training_noise
+from model.diffusion import Generators, LossDraws, diffusion_loss, draw, draw_noise, draw_xi
 
 
 def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -43,6 +43,20 @@ def interpolate(latents: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor)
     return (1.0 - s) * latents + s * noise
 
 
+def draw_flow(
+    shape: tuple[int, ...],
+    generator: Generators,
+    logit_normal: tuple[float, float] | None = None,
+    shift: float = 1.0,
+    noise_offset: float = 0.0,
+    input_perturbation: float = 0.0,
+) -> LossDraws:
+    """:func:`flow_matching_loss`'s draws for latents of ``shape`` (CPU): noise, its offset, σ (shifted), ξ."""
+    noise = draw_noise(shape, generator, noise_offset)
+    sigma = sample_sigmas(shape[0], generator, logit_normal, shift)
+    return LossDraws(noise, sigma, draw_xi(shape, generator, input_perturbation))
+
+
 def flow_matching_loss(
     unet: torch.nn.Module,
     latents: torch.Tensor,
@@ -60,14 +74,25 @@ def flow_matching_loss(
     not ``reduce``).
 
     Draw order per sample (as :func:`model.diffusion.denoising_loss`): noise, its offset, σ, then the
-    input perturbation ``ξ`` — the model sees ``x_σ`` built from ``ε + γ·ξ``, the target keeps ``ε``.
+    input perturbation ``ξ`` — the model sees ``x_σ`` built from ``ε + γ·ξ``, the target keeps ``ε``
+    (:func:`draw_flow`; the loss given them: :func:`flow_matching_loss_from`).
     """
-    noise = training_noise(latents, generator, noise_offset)
-    sigma = to_device(sample_sigmas(latents.shape[0], generator, logit_normal, shift), latents.device)
-    model_noise = noise
-    if input_perturbation:
-        xi = to_device(draw(generator, tuple(latents.shape), partial(torch.randn, dtype=torch.float32)), latents.device)
-        model_noise = noise + input_perturbation * xi
-    x_t = interpolate(latents, model_noise, sigma)
+    draws = draw_flow(tuple(latents.shape), generator, logit_normal, shift, noise_offset, input_perturbation)
+    return flow_matching_loss_from(unet, latents, cond, draws.to(latents.device), num_train_timesteps,
+                                   input_perturbation, reduce)  # fmt: skip
+
+
+def flow_matching_loss_from(
+    unet: torch.nn.Module,
+    latents: torch.Tensor,
+    cond: torch.Tensor,
+    draws: LossDraws,
+    num_train_timesteps: int,
+    input_perturbation: float = 0.0,
+    reduce: bool = True,
+) -> torch.Tensor:
+    """:func:`flow_matching_loss` given its draws (on the latents' device): device work only, no host read."""
+    sigma = draws.level
+    x_t = interpolate(latents, draws.model_noise(input_perturbation), sigma)
     pred = family_of(unet).predict(unet, x_t, sigma * num_train_timesteps, cond)
-    return diffusion_loss(pred, noise - latents, None, reduce)
+    return diffusion_loss(pred, draws.noise - latents, None, reduce)

@@ -57,6 +57,11 @@ class EmaSettings(Section):
     """The σ_rel rebuilt and scored at a phase's end."""
 
 
+def _on_off(value):
+    """YAML reads a bare ``on``/``off`` as a boolean: take it as the word."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class PrecisionSettings(Section):
     """Numerics and memory layout: autocast, TF32, the text encoder's dtype, checkpointing, determinism."""
 
@@ -72,6 +77,13 @@ class PrecisionSettings(Section):
     compilation: each block shape once, far less compile time than the whole model), ``unet`` the whole UNet
     module; in place, static shapes, with DDP, gradient checkpointing, adapters and the EMA (:mod:`model.speed`).
     The compile seconds go to the train metrics (``compile.seconds``). Pays on CUDA; a CPU compiles slowly."""
+    cuda_graphs: Annotated[Literal["off", "step"], Effect.JOB, BeforeValidator(_on_off)] = "off"
+    """``step``: each micro-batch's forward + backward (one graph per bucket shape) and the optimizer step (clip,
+    capturable fused AdamW with its LR in a device tensor) are captured as CUDA graphs after 3 eager warm-up calls
+    on a side stream, and replayed from static input buffers the loader's batches are copied into; the LR schedule,
+    EMA and post-hoc EMA run outside. On a CPU the same static-buffer step runs without capture (bit-identical to
+    ``off``). Needs one rank, AdamW, no distillation, and not FSDP (refused by name otherwise). The job's shape,
+    not the weights': a run resumes across a change (docs/SPEED.md "CUDA graphs")."""
     attention: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     """The UNet's scaled-dot-product-attention kernel: ``auto`` (torch chooses) or that backend only; the CUDA
     kernels (cudnn, flash, efficient) fall back to ``auto`` on a CPU."""
@@ -84,11 +96,6 @@ class PrecisionSettings(Section):
     resumed matched the uninterrupted one bit for bit (80 steps: loss and all 1,372 tensors). So on CUDA
     ``deterministic`` turns ``attention: auto`` into ``math`` (logged; slower, more memory); an explicit
     flash/efficient/cudnn is kept, with a warning."""
-
-
-def _on_off(value):
-    """YAML reads a bare ``on``/``off`` as a boolean: take it as the word."""
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class CheckpointSettings(Section):

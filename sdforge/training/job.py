@@ -29,6 +29,7 @@ from sdforge.training.memory_plan import (
 from sdforge.training.model_setup import build_trained_model
 from sdforge.training.optimization import Optimization
 from sdforge.training.state import Plan, TrainState
+from sdforge.training.static_step import StaticStep, static_step
 from sdforge.training.watchdog import fingerprint
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,16 @@ class TrainJob(JobEvents):
         self.optim = Optimization(self.model.trainable, self.phase, self.cfg, dist.device, where, self.model.unet)
         self.set_global_batch(self.phase.batch_size * self.phase.grad_accum * dist.world)
         self.state = TrainState(self.cfg.seed, dist.rank)
+        self.static: StaticStep | None = static_step(self)
+        """``train.cuda_graphs: step``'s buffers and graphs (None: the eager step)."""
+
+    def release_training_memory(self) -> None:
+        """Free what only training needs — the optimizer's moments, the gradients, a static step's buffers and
+        graphs — before the phase's export (no memory beyond training's)."""
+        if self.static is not None:
+            self.static.release(self)
+            self.static = None
+        self.optim.release()
 
     def _attention_choice(self, dist: Dist) -> str:
         """``train.attention``, or ``math`` for ``auto`` under ``train.deterministic`` on CUDA (logged)."""

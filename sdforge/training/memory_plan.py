@@ -147,10 +147,12 @@ def _chosen(profile: ActivationProfile, state_bytes: float, units: tuple[str, ..
 
 def rank_state_bytes(model, cfg, posthoc: bool) -> float:
     """The training state one rank holds before activations: every weight as stored, and for each trained one its
-    EMA (with the model) and AdamW's two moments in fp32, plus the post-hoc EMA's profiles; over the world size
-    when sharded. ``model`` is a trained-model strategy object (:mod:`sdforge.training.trained_model`)."""
+    EMA (with the model) and AdamW's two moments in fp32, plus the post-hoc EMA's profiles, plus its gradient under
+    ``train.cuda_graphs: step`` (kept between steps: the forward's peak holds it too); over the world size when
+    sharded. ``model`` is a trained-model strategy object (:mod:`sdforge.training.trained_model`)."""
     weights = sum(p.numel() * p.element_size() for p in model.unet.parameters())
     per_trained = 8 + (4 if cfg.ema_device == "model" else 0) + (4 * len(cfg.posthoc_sigma_rels) if posthoc else 0)
+    per_trained += 4 if cfg.cuda_graphs == "step" else 0
     total = weights + per_trained * sum(p.numel() for p in model.trainable)
     return total / model.world if model.sharded else total
 

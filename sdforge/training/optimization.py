@@ -20,7 +20,11 @@ class Optimization:
     def __init__(self, trainable: list, phase: Phase, cfg: Train, device: torch.device, where: str, model):
         self.trainable, self.cfg = trainable, cfg
         self.peak_lr, self.warmup_steps = phase.lr, phase.warmup_steps
-        self.optimizer = build_optimizer(phase.optimizer, trainable, phase.lr, cfg, device, where)
+        self.device = device
+        self.capturable = cfg.cuda_graphs == "step" and device.type == "cuda"
+        """The optimizer step is captured in a CUDA graph (``train.cuda_graphs: step`` on CUDA): AdamW is built
+        capturable, and its LR becomes a device tensor before the first step (:meth:`lr_on_device`)."""
+        self.optimizer = build_optimizer(phase.optimizer, trainable, phase.lr, cfg, device, where, self.capturable)
         self.lr_scheduler = None
         self.ema_device = device if cfg.ema_device == "model" else torch.device("cpu")
         self.ema = TrainingEMA(
@@ -54,27 +58,47 @@ class Optimization:
         )
 
     def step(self, step: int) -> torch.Tensor:
-        """Optimizer step number ``step`` (1-based): clip, step, schedule, zero the gradients, EMA (every
+        """Optimizer step number ``step`` (1-based): clip, step, zero the gradients, schedule, EMA (every
         ``train.ema_update_every`` steps); return the gradient norm (a device tensor: no host read here)."""
         self.settle()
+        grad_norm = self.apply_gradients(set_to_none=True)
+        self.advance(step)
+        return grad_norm
+
+    def apply_gradients(self, set_to_none: bool) -> torch.Tensor:
+        """Clip, step and zero the gradients (to None, or in place: the static step keeps its gradient buffers);
+        the gradient norm before clipping (device). Device work only, with a capturable optimizer."""
         grad_norm = whole(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.grad_clip))  # sharded: all ranks'
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        return grad_norm
+
+    def advance(self, step: int) -> None:
+        """After optimizer step ``step``: the LR schedule moves on, the EMA (every ``train.ema_update_every`` steps)
+        and the post-hoc EMA's profiles update."""
         self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         if step % self.cfg.ema_update_every == 0:
             self.ema.step(self.trainable)
         if self.posthoc is not None:
             self.posthoc.update(self.trainable, step)
-        return grad_norm
+
+    def lr_on_device(self) -> None:
+        """Hold each param group's LR in a device tensor, which the LR schedule then fills in place: a captured
+        optimizer step reads the step's LR from it (a float LR would be frozen into the graph at capture)."""
+        for group in self.optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
 
     def lr(self) -> float:
         """The LR of the next optimizer step."""
-        return self.lr_scheduler.get_last_lr()[0]
+        return float(self.lr_scheduler.get_last_lr()[0])
 
     def state_dict(self) -> dict:
+        """The optimizer, LR schedule, EMA and post-hoc EMA state; LRs as floats (a run with and without
+        ``train.cuda_graphs`` resumes from the other's checkpoints)."""
         state = {
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "optimizer": _float_lrs(self.optimizer.state_dict()),
+            "lr_scheduler": _float_lrs(self.lr_scheduler.state_dict()),
             "ema": self.ema.state_dict(),
         }
         if self.posthoc is not None:
@@ -106,5 +130,18 @@ class Optimization:
         self.optimizer.zero_grad(set_to_none=True)
 
     def release(self) -> None:
-        """Free the optimizer's moments (before an export: no memory beyond training's)."""
+        """Free the optimizer's moments and the gradients (before an export: no memory beyond training's)."""
         self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _float_lrs(state: dict) -> dict:
+    """``state`` (an optimizer's or LR scheduler's state dict) with its device-tensor LRs as floats."""
+    for group in state.get("param_groups", []):
+        if isinstance(group.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])
+    if "_last_lr" in state:
+        state["_last_lr"] = [float(lr) for lr in state["_last_lr"]]
+    if "_schedulers" in state:  # SequentialLR: warm-up and cosine hold their own
+        state["_schedulers"] = [_float_lrs(dict(inner)) for inner in state["_schedulers"]]
+    return state

@@ -22,12 +22,14 @@ log = logging.getLogger(__name__)
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy")
 
 
-def build_optimizer(name: str, parameters, lr: float, cfg: Train, device: torch.device, where: str):
+def build_optimizer(
+    name: str, parameters, lr: float, cfg: Train, device: torch.device, where: str, capturable: bool = False
+):
     """The optimizer ``name`` over ``parameters`` (a list); ``where`` (``phases.<p>.optimizer``) names the key in
-    errors."""
+    errors. ``capturable``: its step can be captured in a CUDA graph (AdamW only: the caller refuses the others)."""
     kwargs = dict(lr=lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     if name == "adamw":
-        return _adamw(parameters, device, kwargs)
+        return _adamw(parameters, device, kwargs | ({"capturable": True} if capturable else {}))
     if name == "adamw8bit":
         bnb = _optional_module("bitsandbytes", where, "pip install bitsandbytes")
         return bnb.optim.AdamW8bit(parameters, **kwargs)

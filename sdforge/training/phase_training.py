@@ -68,7 +68,7 @@ def _train(params: Params, phase_name: str, notice: PreemptionNotice, extra: lis
             train_loop(job, hooks)
             metrics = phase_metrics(job, resumed_at, time.perf_counter() - start)
             if job.model.sharded:  # every rank: the main rank gathers the whole weights to export
-                job.optim.release()
+                job.release_training_memory()
                 job.model.gather_for_export(job.optim.ema)
             if dist.is_main:
                 export_results(job, run_dir, metrics)

@@ -75,7 +75,7 @@ def export_phase(job, out_dir: Path, final_loss: float | None) -> None:
     stored copy alone was 3.4 GB). Afterwards the job's UNet holds the EMA weights.
     """
     fresh_folder(out_dir, "the phase's weights", setting="paths.checkpoints")  # its own DVC output (persist: true)
-    job.optim.release()
+    job.release_training_memory()
     gc.collect()
     job.model.export(out_dir, "unet", "adapter")
     job.optim.ema.copy_to(job.model.trainable)

@@ -13,8 +13,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model.diffusion import cfg_dropout, denoising_loss, part_dropout, to_device
-from model.flow_matching import flow_matching_loss
+from model.diffusion import (
+    LossDraws,
+    denoising_loss_from,
+    draw_denoising,
+    drop_mask,
+    dropped_condition,
+    part_drop_mask,
+    part_regions,
+    to_device,
+)
+from model.flow_matching import draw_flow, flow_matching_loss_from
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
 from sdforge.config import Phase
@@ -89,11 +98,11 @@ def train_step(job, reader: EpochReader) -> StepReport:
         batch_positions, latents, input_ids = reader.next_micro_batch()
         data_wait += time.perf_counter() - t
         last = k == split.accum - 1
-        losses.append(micro_step(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last))
+        micro = job.static.micro_step if job.static is not None else micro_step
+        losses.append(micro(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last))
         positions.append(batch_positions)
     state.progress.step += 1
-    job.model.reduce_outside_gradients()
-    grad_norm = job.optim.step(state.progress.step)
+    grad_norm = optimizer_step(job, state.progress.step)
     per_sample, grad_norm = _read_step(torch.cat(losses), grad_norm)  # the step's one device → host read
     if not torch.isfinite(per_sample).all():
         raise FloatingPointError(
@@ -115,40 +124,127 @@ def _read_step(per_sample: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch
     return both[:-1], float(both[-1])
 
 
+def optimizer_step(job, step: int) -> torch.Tensor:
+    """Optimizer step number ``step`` after the step's micro-batches: the gradients DDP does not reduce, then
+    :meth:`~sdforge.training.optimization.Optimization.step` (or the static step's); the gradient norm (device)."""
+    if job.static is not None:
+        return job.static.optimizer_step(job, step)
+    job.model.reduce_outside_gradients()
+    return job.optim.step(step)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch and every random choice its loss makes, drawn per sample from its own CPU stream before any
+    device work (:func:`draw_micro`): what :func:`micro_loss` reads, so a static buffer can hold it
+    (:mod:`sdforge.training.static_step`)."""
+
+    latents: torch.Tensor
+    input_ids: torch.Tensor
+    drop: torch.Tensor
+    """``[B]`` bool: the sample trains on the empty prompt (``phases.<p>.cfg_dropout``)."""
+    part_drop: torch.Tensor
+    """``[B, P]`` bool: the sample loses caption part ``p`` (``phases.<p>.caption_dropout``; P may be 0)."""
+    draws: LossDraws | None
+    """The loss's noise, level and ξ; None for a distillation phase (its draws are the teacher step's own)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, in a fixed order (a static buffer is copied into tensor by tensor)."""
+        loss = [] if self.draws is None else [self.draws.noise, self.draws.level]
+        xi = [] if self.draws is None or self.draws.xi is None else [self.draws.xi]
+        return [self.latents, self.input_ids, self.drop, self.part_drop, *loss, *xi]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The micro-batch on ``device`` (:func:`~model.diffusion.to_device`: no host synchronisation)."""
+        draws = None if self.draws is None else self.draws.to(device)
+        return MicroBatch(to_device(self.latents, device), to_device(self.input_ids, device),
+                          to_device(self.drop, device), to_device(self.part_drop, device), draws)  # fmt: skip
+
+
+def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens) -> MicroBatch:
+    """The micro-batch with its draws from the per-sample streams ``gens``, in this order per sample: the CFG drop,
+    each caption part's drop, then the loss's noise, level and ξ (:func:`phase_draws`; none for distillation)."""
+    batch = latents.shape[0]
+    drop = drop_mask(batch, job.phase.cfg_dropout, gens)
+    part_drop = part_drop_mask(batch, job.caption_parts, gens)
+    draws = None
+    if job.phase.distill is None:
+        draws = phase_draws(job.phase, job.objective, job.conditioning.scheduler, tuple(latents.shape), gens)
+    return MicroBatch(latents, input_ids, drop, part_drop, draws)
+
+
 def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool):
     """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``); each sample's loss, fp32,
     detached, on the device (read once per step by :func:`train_step`)."""
-    dev = job.dist.device
-    cond = job.conditioning.encode(input_ids)
     gens = part_generators(seeds)
-    cond = cfg_dropout(cond, job.conditioning.uncond, job.phase.cfg_dropout, gens)
-    cond = part_dropout(cond, job.conditioning.uncond, job.caption_parts, gens)
+    batch = draw_micro(job, latents, input_ids, gens).to(job.dist.device)
+    return micro_loss(job, batch, scale, sync, gens)
+
+
+def micro_loss(job, batch: MicroBatch, scale: float, sync: bool, gens=None, cast_cache: bool = True) -> torch.Tensor:
+    """Forward + backward ``batch`` (on the device) scaled by ``scale``; each sample's loss, fp32, detached. Device
+    work only when ``batch`` holds the loss's draws (``gens``: a distillation phase's streams, drawn from here).
+    ``cast_cache``: autocast keeps each weight's bf16 copy for the forward (off inside a CUDA graph capture, as torch
+    requires; the same values, recast)."""
+    dev = job.dist.device
+    cond = condition(job, batch)
     bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
     with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-            if job.phase.distill is not None:  # the teacher's target instead of the denoising one
-                per_sample = distill_loss(job, to_device(latents, dev), cond, gens)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=cast_cache):
+            if batch.draws is None:  # distillation: the teacher's target instead of the denoising one
+                per_sample = distill_loss(job, batch.latents, cond, gens)
             else:
-                per_sample = phase_loss(job.phase, job.objective, job.model.forward_module,
-                                        job.conditioning.scheduler, to_device(latents, dev), cond, gens)  # fmt: skip
+                per_sample = phase_loss_from(job.phase, job.objective, job.model.forward_module,
+                                             job.conditioning.scheduler, batch.latents, cond, batch.draws)  # fmt: skip
             loss = per_sample.mean()
         (loss * scale).backward()
     return per_sample.detach().float()
 
 
-def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Tensor, cond: torch.Tensor, gens):
-    """One micro-batch's per-sample losses under the phase's objective and options (timestep sampling, noise
-    offset, input perturbation, flow shift, Min-SNR-γ): :func:`model.diffusion.denoising_loss` or
-    :func:`model.flow_matching.flow_matching_loss`."""
+def condition(job, batch: MicroBatch) -> torch.Tensor:
+    """The micro-batch's text conditioning with its CFG and caption-part drops applied (device work only)."""
+    uncond = job.conditioning.uncond
+    cond = job.conditioning.encode(batch.input_ids)
+    regions = caption_regions(list(job.caption_parts), tuple(cond.shape[1:]), cond.device)
+    return dropped_condition(cond, uncond, batch.drop, batch.part_drop, regions)
+
+
+_REGIONS: dict[str, torch.Tensor] = {}
+
+
+def caption_regions(parts: list, shape: tuple[int, int], device: torch.device) -> torch.Tensor | None:
+    """The caption parts' regions of a ``[L, D]`` condition on ``device``, built once per parts, shape and device (a
+    host-to-device copy cannot be captured in a CUDA graph); None without parts."""
+    if not parts:
+        return None
+    key = repr((parts, shape, device))  # a part's slices are not hashable before Python 3.12
+    if key not in _REGIONS:
+        _REGIONS[key] = part_regions(parts, shape).to(device)
+    return _REGIONS[key]
+
+
+def phase_draws(phase: Phase, objective: str, scheduler, shape: tuple[int, ...], gens) -> LossDraws:
+    """One micro-batch's loss draws under the phase's options (timestep sampling, noise offset, input
+    perturbation, flow shift): :func:`model.diffusion.draw_denoising` or :func:`model.flow_matching.draw_flow`."""
     logit_normal = tuple(phase.logit_normal) if phase.timestep_sampling == "logit_normal" else None
     if objective == "flow_matching":
-        return flow_matching_loss(
-            model, latents, cond, gens,
-            num_train_timesteps=scheduler.config.num_train_timesteps, logit_normal=logit_normal,
-            shift=phase.flow_shift, noise_offset=phase.noise_offset,
-            input_perturbation=phase.input_perturbation, reduce=False,
-        )  # fmt: skip
-    return denoising_loss(
-        model, scheduler, latents, cond, gens, phase.min_snr_gamma, phase.noise_offset, logit_normal,
-        phase.input_perturbation, reduce=False,
-    )  # fmt: skip
+        return draw_flow(shape, gens, logit_normal, phase.flow_shift, phase.noise_offset, phase.input_perturbation)
+    return draw_denoising(shape, scheduler.config.num_train_timesteps, gens, phase.noise_offset, logit_normal,
+                          phase.input_perturbation)  # fmt: skip
+
+
+def phase_loss_from(phase: Phase, objective: str, model, scheduler, latents, cond, draws: LossDraws) -> torch.Tensor:
+    """One micro-batch's per-sample losses given its draws (on the device), Min-SNR-γ as the phase says:
+    :func:`model.diffusion.denoising_loss_from` or :func:`model.flow_matching.flow_matching_loss_from`."""
+    if objective == "flow_matching":
+        T = scheduler.config.num_train_timesteps
+        return flow_matching_loss_from(model, latents, cond, draws, T, phase.input_perturbation, reduce=False)
+    return denoising_loss_from(model, scheduler, latents, cond, draws, phase.min_snr_gamma,
+                               phase.input_perturbation, reduce=False)  # fmt: skip
+
+
+def phase_loss(phase: Phase, objective: str, model, scheduler, latents: torch.Tensor, cond: torch.Tensor, gens):
+    """One micro-batch's per-sample losses under the phase's objective and options: :func:`phase_draws`, then
+    :func:`phase_loss_from` on the latents' device."""
+    draws = phase_draws(phase, objective, scheduler, tuple(latents.shape), gens)
+    return phase_loss_from(phase, objective, model, scheduler, latents, cond, draws.to(latents.device))

@@ -41,7 +41,7 @@ TRAIN_NONE = {
     "preempt_grace_s", "hang_timeout_s",
 }  # fmt: skip
 TRAIN_JOB = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "parallel", "activation_checkpointing",
-             "memory_budget_gib"}
+             "memory_budget_gib", "cuda_graphs"}
 
 
 @pytest.fixture(scope="module")

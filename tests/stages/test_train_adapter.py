@@ -45,8 +45,14 @@ def adapter_workspace(straight_phase1: Path, root: Path, adapter: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, straight_phase1):
+    """Phase 2 with LoRA and a learned word, straight through, and SIGKILLed then resumed. The killed run trains with
+    ``train.cuda_graphs: step`` (on a CPU the static-buffer step, docs/SPEED.md): the adapter and the word's row
+    through the static path too, bit-identical to the eager straight run."""
     straight = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("straight"), LORA)
     killed = adapter_workspace(straight_phase1, tmp_path_factory.mktemp("killed"), LORA)
+    data = yaml.safe_load(killed.read_text())
+    data["train"]["cuda_graphs"] = "step"
+    killed.write_text(yaml.safe_dump(data))
     return straight_and_killed(straight, killed, "phase2", KILL_AT)
 
 

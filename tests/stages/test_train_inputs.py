@@ -28,6 +28,7 @@ CHANGES = {
         "rdzv_endpoint": "127.0.0.1:29999",  # a job-shape key that one process can change (no launch)
         "activation_checkpointing": "selective",  # no budget on a CPU: the 64x64 level recomputed, bit-identical
         "memory_budget_gib": 64.0,
+        "cuda_graphs": "step",  # on a CPU the static-buffer step without capture: bit-identical
     },
     "phases.phase1": {"description": "edited mid-phase", "eval_grid": False},
 }  # fmt: skip
