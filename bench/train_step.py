@@ -1,6 +1,7 @@
 """Benchmark: one optimizer step of our trainer vs a plain diffusers-style loop, same denoiser and batch.
 
-``python -m bench.train_step [--quick] [--config demo|full] [--family unet|mmdit] [--batch N] [--ckpt off|on|both]``
+``python -m bench.train_step [--quick] [--config demo|full] [--family unet|mmdit] [--batch N] [--ckpt off|on|both]
+[--cuda-graphs off,step]``
 
 ``--family mmdit`` (default: the config's ``models.denoiser.family``) times the MM-DiT of ``models.mmdit`` (the full
 config's default: the 1.2B preset at 64² latents, 1,024 image tokens) under rectified flow; its plain loop is
@@ -39,7 +40,7 @@ import copy
 import gc
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,7 +58,8 @@ from sdforge.training.optimization import Optimization
 from sdforge.training.parallel import ensure_process_group
 from sdforge.training.sharded_model import ShardedUNet
 from sdforge.training.state import TrainState
-from sdforge.training.step import micro_step
+from sdforge.training.static_step import WARMUP, CudaGraphs, StaticStep
+from sdforge.training.step import micro_step, optimizer_step
 from sdforge.training.trained_model import FullUNet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,14 +153,19 @@ class _BenchJob:
     phase_name: str = "bench"
     attention: object = None
     caption_parts: tuple = ()
+    static: object = None
+    """``train.cuda_graphs: step``'s :class:`StaticStep` (None: the eager step)."""
 
 
-def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto", parallel="ddp"):
+def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", attention="auto", parallel="ddp",
+          graphs="off"):  # fmt: skip
     """The real step on the job's components, built without data or files (``compile_``: ``train.compile``,
     ``attention``: ``train.attention``, both through :mod:`model.speed` as the trainer applies them; ``parallel``:
-    ``fsdp`` shards the model over this one process as ``train.parallel: fsdp`` does, the wrapper's own cost)."""
+    ``fsdp`` shards the model over this one process as ``train.parallel: fsdp`` does, the wrapper's own cost;
+    ``graphs``: ``train.cuda_graphs``, the static step captured on CUDA)."""
     phase = next(iter(params.phases.values()))
-    update = {"activation_checkpointing": "full" if ckpt else "off", "compile": compile_, "attention": attention}
+    update = {"activation_checkpointing": "full" if ckpt else "off", "compile": compile_, "attention": attention,
+              "cuda_graphs": graphs}  # fmt: skip
     if channels_last is not None:
         update["channels_last"] = channels_last
     cfg = params.train.model_copy(update=update)
@@ -180,12 +187,15 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
     job = _BenchJob(params, phase, cfg, dist, model, optim, conditioning, TrainState(0, 0), objective=objective,
                     attention=attention_backends(attention, device))  # fmt: skip
     ids = torch.zeros(batch, 77, dtype=torch.long)
+    if graphs == "step":
+        job.static = StaticStep(job, CudaGraphs(device) if device.type == "cuda" else None)
+    micro = micro_step if job.static is None else job.static.micro_step
 
     def step(latents):
         seeds = step_seeds(job.state.generator, latents.shape[0])
-        micro_step(job, latents, ids, seeds, 1.0, sync=True)
+        micro(job, latents, ids, seeds, 1.0, sync=True)
         job.state.progress.step += 1
-        optim.step(job.state.progress.step)
+        optimizer_step(job, job.state.progress.step)
 
     return step
 
@@ -307,6 +317,7 @@ class Variant:
     compile: str = "off"
     attention: str = "auto"
     parallel: str = "ddp"
+    graphs: str = "off"
 
     def label(self) -> str:
         """``ours b=32 ckpt=on cl=off compile=blocks attn=auto``."""
@@ -314,6 +325,7 @@ class Variant:
         return (
             f"{self.name:5} b={self.batch:<3} ckpt={onoff[self.ckpt]:3} cl={onoff[self.channels_last]:3} "
             f"compile={self.compile:6} attn={self.attention:9}" + (" par=fsdp" if self.parallel == "fsdp" else "")
+            + (" graphs=step" if self.graphs == "step" else "")
         )
 
 
@@ -335,7 +347,7 @@ class Row:
 def _make_step(params, device, v: Variant):
     if v.name == "plain":
         return _plain(params, device, v.batch, v.ckpt)
-    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile, v.attention, v.parallel)
+    return _ours(params, device, v.batch, v.ckpt, v.channels_last, v.compile, v.attention, v.parallel, v.graphs)
 
 
 def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row) -> None:
@@ -347,6 +359,8 @@ def _time_variant(params, device, v: Variant, warmup: int, steps: int, row: Row)
         torch.cuda.empty_cache()
     _reset_peak(device)
     torch.manual_seed(0)
+    if v.graphs == "step":  # the timed steps are replays: every warm-up call and the capture are untimed
+        warmup = max(warmup, WARMUP + 1)
     try:
         step = _make_step(params, device, v)
         for i in range(warmup):
@@ -379,14 +393,15 @@ def measure(params, device, variants: list[Variant], warmup, steps, rounds) -> d
     return rows
 
 
-def sweep(batches, ckpts, cls, compiles, attentions=("auto",), parallels=("ddp",)) -> list[Variant]:
-    """Per (batch, checkpointing): the plain loop, then ours for each channels_last × compile × attention × parallel."""
+def sweep(batches, ckpts, cls, compiles, attentions=("auto",), parallels=("ddp",), graphs=("off",)) -> list[Variant]:
+    """Per (batch, checkpointing): the plain loop, then ours for each channels_last × compile × attention × parallel
+    × CUDA graphs."""
     out = []
     for batch in batches:
         for ckpt in ckpts:
             out.append(Variant("plain", batch, ckpt))
-            switches = [(cl, comp, att, par) for cl in cls for comp in compiles for att in attentions
-                        for par in parallels]  # fmt: skip
+            switches = [(cl, comp, att, par, g) for cl in cls for comp in compiles for att in attentions
+                        for par in parallels for g in graphs]  # fmt: skip
             out += [Variant("ours", batch, ckpt, *switch) for switch in switches]
     return out
 
@@ -401,7 +416,9 @@ def _report(rows: dict[Variant, Row], flops: float, peak_tflops: float | None) -
         plain = rows.get(Variant("plain", v.batch, v.ckpt))
         vs = f"  x{img_s / plain.img_s(v.batch):.3f} plain" if plain and plain.times and v.name == "ours" else ""
         compiled = f"  first step {row.first_step_s:.1f} s" if v.compile != "off" else ""
-        print(f"  {v.label()}: {img_s:9.2f} img/s  peak {row.peak_gib:6.2f} GiB  MFU {mfu}{vs}{compiled}")
+        eager = rows.get(replace(v, graphs="off")) if v.graphs == "step" else None
+        graphed = f"  x{img_s / eager.img_s(v.batch):.3f} graphs off" if eager and eager.times else ""
+        print(f"  {v.label()}: {img_s:9.2f} img/s  peak {row.peak_gib:6.2f} GiB  MFU {mfu}{vs}{graphed}{compiled}")
 
 
 def best_pair(rows: dict[Variant, Row]) -> tuple[Variant, Variant] | None:
@@ -434,6 +451,7 @@ def _args(argv):
     ap.add_argument("--attention", default="auto", help="train.attention of ours: comma-separated auto, cudnn, ...")
     ap.add_argument("--parallel", default="ddp",
                     help="train.parallel of ours: comma-separated ddp, fsdp (one process: the wrapper's own cost)")
+    ap.add_argument("--cuda-graphs", default="off", help="train.cuda_graphs of ours: comma-separated off, step")
     ap.add_argument("--steps", type=int, help="timed steps per round")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--peak-tflops", type=float, help=f"for MFU; default {H100_BF16_DENSE_TFLOPS:g} on CUDA")
@@ -460,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         args.compile.split(","),
         args.attention.split(","),
         args.parallel.split(","),
+        args.cuda_graphs.split(","),
     )
     steps = args.steps or (3 if args.quick else 15)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -504,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
             compile=ours.compile,
             attention=ours.attention,
             parallel=ours.parallel,
+            cuda_graphs=ours.graphs,
             first_step_s=o.first_step_s,
             machine=where,
         )

@@ -56,7 +56,7 @@ if [ "$quick" = 1 ]; then
   # for a second call)
   steps=(
     "tests|100|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
-    "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off"
+    "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off --cuda-graphs off,step"
     "mmdit|40|$py -m bench.train_step --config demo-mmdit --device $device --quick --batch 8 --ckpt off"
     "attention|30|$py -m bench.gpu.attention_probe --quick --device $device"
     "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device --stall-only --rounds 1"
@@ -89,8 +89,11 @@ else
   # Next: the kill/resume check with attention auto under train.deterministic, FSDP2 at world size 1 vs DDP on the
   # full SD1.5 step (issue 57: the wrapper's own cost), the stall on an H100, the MM-DiT at 96 (MFU still climbing
   # at 64), then the rest.
+  # Issue 58 (2026-11-29, no lease): train.cuda_graphs step built and tested on CPU; graphs64 is its first GPU figure
+  # (compiled blocks at 64, graphs off vs step side by side, against the plain loop), after the kill/resume check.
   steps=(
     "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on"
+    "graphs64|400|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --cuda-graphs off,step"
     "fsdp1|300|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile blocks --parallel ddp,fsdp"
     "checkpoint|200|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
     "mmdit96|200|$py -m bench.train_step $full --family mmdit --batch 96 --ckpt off --channels-last off --compile blocks"
