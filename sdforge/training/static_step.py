@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -63,10 +64,12 @@ class GraphedCall:
     """``fn()`` — device work on tensors that outlive it — eager for its first :data:`WARMUP` calls, then captured
     once by ``graphs`` and replayed on every later call; always eager without ``graphs`` (a CPU)."""
 
-    def __init__(self, fn: Callable[[], None], graphs, check: Callable[[], None] | None = None):
-        self.fn, self.graphs, self.check = fn, graphs, check
+    def __init__(self, fn: Callable[[], None], graphs, check: Callable[[], None] | None = None, name: str = "step"):
+        self.fn, self.graphs, self.check, self.name = fn, graphs, check, name
         self.calls = 0
         self.replay: Callable[[], None] | None = None
+        self.capture_error: str | None = None
+        """Why the capture failed (this call then stays eager, with a warning); None while it has not."""
 
     def __call__(self) -> None:
         self.calls += 1
@@ -76,10 +79,21 @@ class GraphedCall:
             self.graphs.eager(self.fn)
         else:
             if self.replay is None:
-                self.replay = self.graphs.capture(self.fn)
-            self.replay()
+                self._capture()
+            (self.replay or self.fn)()
         if self.check is not None and self.replay is None:
             self.check()
+
+    def _capture(self) -> None:
+        """Capture ``fn``; if CUDA refuses (an operation that cannot be captured), say which and stay eager: a
+        capture runs nothing, so the eager call that follows does the call's work once."""
+        try:
+            self.replay = self.graphs.capture(self.fn)
+        except Exception as err:  # noqa: BLE001 - any capture failure: the step still trains, eagerly
+            self.capture_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+            self.graphs = None
+            log.warning("train.cuda_graphs: the %s could not be captured (%s); it runs eagerly from here on",
+                        self.name, self.capture_error)  # fmt: skip
 
 
 class StaticStep:
@@ -95,7 +109,8 @@ class StaticStep:
         self.trainable = job.optim.trainable
         self.gradients: list[int] | None = None
         """The gradient tensors' addresses once they exist: an eager call must accumulate into the same ones."""
-        self.optimizer_call = GraphedCall(lambda: self._optimizer_body(job), graphs, self._check_gradients)
+        body = partial(self._optimizer_body, job)
+        self.optimizer_call = GraphedCall(body, graphs, self._check_gradients, "optimizer")
         self.lr_ready = False
 
     def micro_step(self, job, latents, input_ids, seeds, scale: float, sync: bool) -> torch.Tensor:
@@ -119,7 +134,7 @@ class StaticStep:
         def body() -> None:
             self.losses[key].copy_(micro_loss(job, batch, scale, sync, cast_cache=False))
 
-        self.calls[key] = GraphedCall(body, self.graphs, self._check_gradients)
+        self.calls[key] = GraphedCall(body, self.graphs, self._check_gradients, f"micro-batch {key[0]}")
         log.info("train.cuda_graphs: micro-batch shape %s (%d shape(s)); %s", key[0], len(self.buffers),
                  "captured after its warm-up" if self.graphs is not None else "static buffers, no capture (CPU)")
 
@@ -151,11 +166,11 @@ class StaticStep:
                                "captured steps would read stale gradients. Set train.cuda_graphs: off")  # fmt: skip
 
     def release(self, job) -> None:
-        """Free the gradients, buffers and graphs (before the phase's export)."""
+        """Free the gradients, buffers and graphs (before the phase's export; the step is not used again)."""
         job.optim.optimizer.zero_grad(set_to_none=True)
         for table in (self.buffers, self.losses, self.calls):
             table.clear()
-        self.optimizer_call = GraphedCall(lambda: self._optimizer_body(job), self.graphs, self._check_gradients)
+        self.optimizer_call.replay = None  # the graph and its pool go with it
         self.gradients = None
 
 

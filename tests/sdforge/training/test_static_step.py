@@ -175,3 +175,27 @@ def test_what_a_captured_step_cannot_run_is_refused_by_name():
     found = graph_blockers(phase, "phase3", world=2, sharded=True)
     assert [b.split(" (")[0] for b in found] == ["2 ranks", "train.parallel fsdp", "phases.phase3.optimizer prodigy"]
     assert graph_blockers(Phase(mix={"a": 1.0}, samples=8, lr=1e-4), "phase1", world=1, sharded=False) == []
+
+
+class RefusingGraphs(FakeGraphs):
+    """A capture CUDA refuses (an operation that cannot be captured)."""
+
+    def capture(self, fn):
+        self.captures += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_refused_capture_leaves_that_call_eager_and_the_training_unchanged(caplog):
+    """Every capture fails: each call warns once, naming itself and CUDA's reason, then runs eagerly; the training is
+    still bit-identical to the eager step (a failed capture ran nothing, and the call's work is done once)."""
+    eager = _train(_job(), micro_step, optimizer_step)
+    job, graphs = _job(), RefusingGraphs()
+    static = StaticStep(job, graphs)
+    job.static = static
+    out = _train(job, static.micro_step, optimizer_step)
+    _assert_identical(out, eager)
+    calls = [*static.calls.values(), static.optimizer_call]
+    assert graphs.captures == len(calls) == 2 * ACCUM + 1 and graphs.replays == 0
+    assert all(c.capture_error == "RuntimeError: operation not permitted when stream is capturing" for c in calls)
+    warned = [r.getMessage() for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == len(calls) and any("the optimizer could not" in w for w in warned)
