@@ -61,6 +61,7 @@ STAGE_ORDER = (
     "prepare_models",
     "caption_images",
     "encode_latents",
+    "condition_images",
     "mix_phase",
     "train",
     "eval_grid",

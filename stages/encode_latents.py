@@ -54,9 +54,9 @@ from sdforge.latents.encoded import (
     clean_stale,
     encode_and_write,
     encoder_fingerprint,
-    list_inputs,
     reusable,
 )
+from sdforge.latents.inputs import list_inputs
 from sdforge.tracking import log_stage
 
 log = logging.getLogger(__name__)

@@ -54,6 +54,9 @@ STAGE_DEPS_ALLOWLIST = {
     # (what prepare_models writes) uses none of it.
     "prepare_models": {"sdforge.captions.captioner", "sdforge.captions.cache", "sdforge.captions.models",
                        "sdforge.captions.quality"},
+    # Imported with sdforge.latents (the encoder's image-to-tensor scaling); a condition is the Canny map of the decoded
+    # crop, which that module never touches.
+    "condition_images": {"model.latents"},
 }
 
 

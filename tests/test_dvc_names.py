@@ -71,7 +71,7 @@ def test_every_output_a_name_reaches_is_persistent():
                 path, opts = (entry, {}) if isinstance(entry, str) else next(iter(entry.items()))
                 if "${key}" in path and not (opts or {}).get("persist"):
                     loose.append(f"{name}: {section} {path}")
-    assert len(KEYED) == 8 and loose == []
+    assert len(KEYED) == 9 and loose == []
 
 
 @pytest.mark.parametrize("bad", BAD_NAMES)

@@ -69,9 +69,9 @@ def metrics(project: Path, stage: str, item: str | None = None) -> dict:
 
 def test_every_stage_ran_once(project):
     ran = ran_stages((project / "first_run.log").read_text())
-    # demo, 3 data stages × 3 sources, models, captions×3 (no recaption: nothing to caption), encode×3, 3×2 phases,
-    # report
-    assert len(ran) == len(set(ran)) == 1 + 3 * 3 + 1 + 3 + 3 + 3 * 2 + 1
+    # demo, 3 data stages × 3 sources, models, captions×3 (no recaption: nothing to caption), encode×3, conditions×3
+    # (no conditions.kinds: nothing to make), 3×2 phases, report
+    assert len(ran) == len(set(ran)) == 1 + 3 * 3 + 1 + 3 + 3 + 3 + 3 * 2 + 1
     assert ran.index("train@phase1") < ran.index("train@phase2")
     assert ran[-1] == "report"
 
@@ -184,7 +184,8 @@ def test_mlflow_has_phase_run_with_grid(project):
     every = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` != ''", max_results=1000)
     stages = {r.data.tags["sdforge.stage"].split("@")[0] for r in every}
     assert stages == {"make_demo_data", "download_metadata", "filter_metadata", "fetch_images", "prepare_models",
-                      "caption_images", "encode_latents", "mix_phase", "train", "eval_grid", "report"}
+                      "caption_images", "encode_latents", "condition_images", "mix_phase", "train", "eval_grid",
+                      "report"}
     train_runs = client.search_runs([exp.experiment_id], "tags.`sdforge.stage` = 'train'")
     assert {len(client.get_metric_history(r.info.run_id, "loss")) > 0 for r in train_runs} == {True}
 

@@ -20,6 +20,7 @@ One module per domain, each section beside its checks; import from here (``from 
 - :mod:`~sdforge.config.sources`: ``sources.<name>`` (filter, fetch, per-kind options, recaption)
 - :mod:`~sdforge.config.models`: ``models``
 - :mod:`~sdforge.config.latents`: ``buckets``, ``encode``
+- :mod:`~sdforge.config.conditions`: ``conditions`` (ControlNet conditioning images)
 - :mod:`~sdforge.config.train`: ``train``, one class per concern
 - :mod:`~sdforge.config.phases`: ``phases.<p>`` (adapter, caption mix)
 - :mod:`~sdforge.config.eval`: ``eval``
@@ -56,6 +57,7 @@ from sdforge.config.base import (
     url_has_credentials,
 )
 from sdforge.config.cluster import Cluster, DnsLabel, check_dns_label
+from sdforge.config.conditions import CONDITION_KINDS, CannySettings, Conditions
 from sdforge.config.demo import DemoConcept, DemoData, DemoWebdump
 from sdforge.config.eval import GUIDANCE_WARN_ABOVE, CategorySampling, CocoProtocol, Eval, Fid
 from sdforge.config.latents import BucketSet, Encode
@@ -113,6 +115,9 @@ __all__ = [
     "Adapter",
     "AdapterTarget",
     "BucketSet",
+    "CONDITION_KINDS",
+    "CannySettings",
+    "Conditions",
     "CaptionMix",
     "Distill",
     "CaptionerBuild",

@@ -12,6 +12,7 @@ from pydantic import ValidationError, model_validator
 
 from sdforge.config.base import SCRATCH, ConfigError, PhaseName, SafeName, Section, url_has_credentials
 from sdforge.config.cluster import Cluster
+from sdforge.config.conditions import Conditions
 from sdforge.config.demo import DemoData
 from sdforge.config.eval import Eval
 from sdforge.config.latents import BucketSet, Encode
@@ -37,6 +38,8 @@ class Params(Section):
     buckets: dict[SafeName, BucketSet] = {}
     """Resolution name → its aspect-ratio buckets; empty: one square set ``square`` of ``encode.resolution``."""
     encode: Encode = Encode()
+    conditions: Conditions = Conditions()
+    """The conditioning images of ControlNet phases (``condition_images``)."""
     train: Train = Train()
     phases: dict[PhaseName, Phase]
     eval: Eval

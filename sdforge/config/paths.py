@@ -16,6 +16,8 @@ class Paths(Section):
     shards: str
     captions: str
     latents: str
+    conditions: str = "data/conditions"
+    """``<source>/<resolution>/<kind>/``: the conditioning images of ControlNet phases (``condition_images``)."""
     models: str
     mixes: str
     checkpoints: str

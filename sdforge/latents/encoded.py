@@ -28,7 +28,6 @@ from model.latents import scaling_factor
 from sdforge.config import Encode
 from sdforge.ingest.buckets import Size, plan
 from sdforge.io import InputError
-from sdforge.latents import s3_inputs
 from sdforge.latents import store as store
 from sdforge.latents.inputs import TarInput
 from sdforge.latents.pipeline import EncodedShard, Options, encode_shards
@@ -80,23 +79,6 @@ COUNT_KEYS = (
     "captions_synthetic",
     "synthetic_truncated",
 )
-
-
-def list_inputs(shard_dir: str | Path) -> list[TarInput]:
-    """The input tars, sorted; shard number = the tar's numeric stem (else its position)."""
-    if s3_inputs.is_s3(str(shard_dir)):
-        found = s3_inputs.list_tars(str(shard_dir))
-    else:
-        found = [(p.name, str(p), p.stat().st_size, None) for p in Path(shard_dir).glob("*.tar")]
-    if not found:
-        raise InputError(f"{shard_dir}: no .tar shards found (did fetch_images run?)")
-    found.sort()
-    stems = [name.removesuffix(".tar") for name, *_ in found]
-    numeric = all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems)
-    return [
-        TarInput(int(stem) if numeric else i, name, path, size, etag)
-        for i, (stem, (name, path, size, etag)) in enumerate(zip(stems, found, strict=True))
-    ]
 
 
 def encoder_fingerprint(models_dir: Path, cfg: Encode, precision: str, buckets: list[Size]) -> str:

@@ -25,66 +25,34 @@ import yaml
 from diffusers import AutoencoderKL
 from transformers import CLIPTokenizer
 
-from model.builders import build_tiny_vae
 from model.latents import images_to_tensor
 from sdforge.captions.store import SCHEMA
-from sdforge.config import Encode
 from sdforge.demo.models import write_demo_tokenizer
 from sdforge.ingest.shards import tar_bytes
 from sdforge.latents import store as store
 from sdforge.latents.encoded import MANIFEST_SCHEMA
 from stages import encode_latents
 from tests.fixtures.demo_data import tree_digest
+from tests.fixtures.encode_inputs import (
+    BUCKETS,
+    RES,
+    SQ,
+    TALL,
+    WORDS,
+    build_models,
+    cfg,
+    jpeg,
+    mixed_tars,
+    sample,
+    write_tars,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-RES = 16  # VAE [8, 16] halves it: latents [4, 8, 8]
-SQ = (RES, RES)  # the square-only bucket these tests encode at
-WORDS = ["a", "red", "green", "blue", "circle", "square", "on", "white", "black", "background"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    vae = build_tiny_vae([8, 16], 1, 4, seed=0)
-    vae.register_to_config(scaling_factor=0.5)
-    vae.save_pretrained(root / "vae", safe_serialization=True)
-    write_demo_tokenizer(WORDS, root / "tokenizer", 77)
-    return root
-
-
-def jpeg(rng: np.random.Generator, h: int = RES, w: int = RES) -> bytes:
-    """A smooth random RGB image as JPEG bytes."""
-    small = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
-    ok, buf = cv2.imencode(".jpg", cv2.resize(small, (w, h), interpolation=cv2.INTER_LINEAR))
-    assert ok
-    return buf.tobytes()
-
-
-def caption(rng: np.random.Generator) -> str:
-    return f"a {rng.choice(['red', 'green', 'blue'])} {rng.choice(['circle', 'square'])} on a white background"
-
-
-def sample(key: str, rng: np.random.Generator, **override) -> dict:
-    s = {"__key__": key, "jpg": jpeg(rng), "txt": caption(rng), "json": json.dumps({"original_width": 64})}
-    s.update(override)
-    return {k: v for k, v in s.items() if v is not None}
-
-
-def write_tars(folder: Path, n_tars: int, per_tar: int, seed: int = 0) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    paths = []
-    for t in range(n_tars):
-        path = folder / f"{t:05d}.tar"
-        path.write_bytes(tar_bytes(sample(f"{t:05d}{i:04d}", rng) for i in range(per_tar)))
-        paths.append(path)
-    return paths
-
-
-def cfg(**kw) -> Encode:
-    # fp32 unless asked: a CPU with native bf16 would otherwise encode in bf16 (model/precision.py)
-    kw = {"mixed_precision": "no", **kw}
-    return Encode(**{"batch_size": 4, "device": "cpu", "resolution": RES, "decode_workers": 2, **kw})
+    return build_models(tmp_path_factory.mktemp("models"))
 
 
 def digest(root: Path) -> str:
@@ -416,21 +384,6 @@ def tokenizer_only_models(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ buckets
-
-WIDE, TALL = (24, 16), (16, 24)  # buckets of the mixed-aspect tests (multiples of 8 px: 4 latent px at f = 2)
-BUCKETS = [TALL, SQ, WIDE]
-
-
-def mixed_tars(folder: Path) -> None:
-    """Tar 0: square images only; tar 1: landscape 30×20 and portrait 20×30 and square ones."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(4)
-    square = [sample(f"0{i:03d}", rng) for i in range(5)]
-    sizes = [(30, 20), (20, 30), (RES, RES), (30, 20), (36, 20), (20, 30), (30, 20)]  # (w, h)
-    mixed = [sample(f"1{i:03d}", rng, jpg=jpeg(rng, h, w)) for i, (w, h) in enumerate(sizes)]
-    (folder / "00000.tar").write_bytes(tar_bytes(square))
-    (folder / "00001.tar").write_bytes(tar_bytes(mixed))
-
 
 def test_each_bucket_gets_shards_of_one_shape_and_the_manifest_records_the_crop(models, tmp_path):
     from sdforge.ingest.buckets import plan
