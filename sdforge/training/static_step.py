@@ -53,9 +53,10 @@ class CudaGraphs:
         current.wait_stream(self.stream)
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """Record ``fn()``'s kernels (nothing runs); the graph's replay."""
+        """Record ``fn()``'s kernels (nothing runs); the graph's replay. Thread-local capture: CUDA work of the job's
+        other threads (a background checkpoint's copies) goes on and does not invalidate it."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             fn()
         return graph.replay
 
