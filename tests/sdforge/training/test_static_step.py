@@ -88,6 +88,14 @@ def _train(job, micro, step_fn) -> dict:
     return out
 
 
+def _train_static(graphs) -> tuple[StaticStep, dict]:
+    """:func:`_train` through a :class:`StaticStep` capturing with ``graphs``; the step and the results."""
+    job = _job()
+    static = StaticStep(job, graphs)
+    job.static = static
+    return static, _train(job, static.micro_step, optimizer_step)
+
+
 def _assert_identical(a: dict, b: dict) -> None:
     assert a["lrs"] == b["lrs"]
     for key in ("losses", "grad_norms", "ema"):
@@ -117,10 +125,8 @@ def test_warm_up_then_one_capture_then_replays_reproduce_the_eager_step():
     for their first 3 calls, are captured on the 4th and replayed from then on; the training is still bit-identical
     (a captured call that also ran, or a replay that did not, would shift every later step)."""
     eager = _train(_job(), micro_step, optimizer_step)
-    job, graphs = _job(), FakeGraphs()
-    static = StaticStep(job, graphs)
-    job.static = static
-    out = _train(job, static.micro_step, optimizer_step)
+    graphs = FakeGraphs()
+    static, out = _train_static(graphs)
     _assert_identical(out, eager)
     shape_calls = STEPS // 2  # each (shape, sync) key: once per step of its shape
     keys = len(static.calls) + 1  # the micro-batch keys and the optimizer
@@ -189,10 +195,8 @@ def test_a_refused_capture_leaves_that_call_eager_and_the_training_unchanged(cap
     """Every capture fails: each call warns once, naming itself and CUDA's reason, then runs eagerly; the training is
     still bit-identical to the eager step (a failed capture ran nothing, and the call's work is done once)."""
     eager = _train(_job(), micro_step, optimizer_step)
-    job, graphs = _job(), RefusingGraphs()
-    static = StaticStep(job, graphs)
-    job.static = static
-    out = _train(job, static.micro_step, optimizer_step)
+    graphs = RefusingGraphs()
+    static, out = _train_static(graphs)
     _assert_identical(out, eager)
     calls = [*static.calls.values(), static.optimizer_call]
     assert graphs.captures == len(calls) == 2 * ACCUM + 1 and graphs.replays == 0
