@@ -80,6 +80,12 @@ def loss_curve_path(metrics_dir: str | Path, phase: str) -> Path:
     return Path(metrics_dir) / LOSS_CURVE / f"{phase}.csv"
 
 
+def conditions_path(index_path: str | Path) -> Path:
+    """A phase index's conditions record: ``<phase>.parquet`` → ``<phase>.conditions.json`` (``mix_phase``: the
+    sha256 of every ``condition_images`` shard marker a ControlNet phase reads; the train stage's DVC dependency)."""
+    return Path(index_path).with_suffix(".conditions.json")
+
+
 def held_out_path(index_path: str | Path) -> Path:
     """A phase index's held-out companion: ``<phase>.parquet`` → ``<phase>.held_out.parquet`` (written by
     ``mix_phase``, read by the training's held-out loss; here, not in the polars-using ``sdforge.latents.mix``, so

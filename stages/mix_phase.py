@@ -23,6 +23,7 @@ import numpy as np
 import polars as pl
 
 from sdforge.config import Params, Phase
+from sdforge.control.records import write_conditions_record
 from sdforge.io import InputError, atomic_write_bytes, held_out_path, read_parquet_checked, stage_cli
 from sdforge.latents.mix import BUCKET_COLUMNS, index_columns, split_counts, split_held_out
 from sdforge.latents.store import MANIFEST, resolution_dir
@@ -94,10 +95,12 @@ def read_manifest(latents_dir: Path, source: str, resolution: str) -> pl.DataFra
 
 
 def run(
-    phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int, resolution: str, held_out: int = 0
-) -> dict:
-    """Write the phase index parquet and its held-out companion; return requested vs obtained composition,
-    held-out and per-bucket metrics."""
+    phase_name: str, phase: Phase, latents_dir: Path, out_path: Path, seed: int, resolution: str, held_out: int = 0,
+    conditions_dir: Path | None = None,
+) -> dict:  # fmt: skip
+    """Write the phase index parquet, its held-out companion and its conditions record (a ControlNet phase's
+    condition shards, from ``conditions_dir``); return requested vs obtained composition, held-out and per-bucket
+    metrics."""
     manifests = {source: read_manifest(latents_dir, source, resolution) for source in phase.mix}
     manifests, held = split_held_out(manifests, held_out)
     index = build_index(phase_name, phase, manifests, seed)
@@ -105,6 +108,9 @@ def run(
         buf = io.BytesIO()
         frame.write_parquet(buf)
         atomic_write_bytes(path, buf.getvalue())
+    kind = phase.controlnet.condition if phase.controlnet is not None else None
+    shards = set(pl.concat([index, held]).select("source", "shard").unique().iter_rows())
+    write_conditions_record(out_path, kind, shards, conditions_dir, resolution)
     obtained = dict(index.group_by("source").len().iter_rows())
     requested = requested_counts(phase_name, phase)
     metrics: dict = {"samples": index.height, "unique_samples": index.unique(["source", "key"]).height}
@@ -153,6 +159,7 @@ def run_stage(params: Params, phase_name: str) -> dict:
         params.train.seed,
         params.phase_resolution(phase_name),
         params.train.held_out,
+        Path(params.paths.conditions),
     )
 
     digest = index_digest(pl.read_parquet(Path(params.paths.mixes) / f"{phase_name}.parquet"))

@@ -121,6 +121,18 @@ class DenoiserFamily(ABC):
                 self.predict(model, x, torch.tensor([500.0]), cond).float().pow(2).mean().backward()
         return float(counter.get_total_flops())
 
+    # ------------------------------------------------------------------------------------------ control
+    def controlled(self, denoiser: torch.nn.Module, vae_factor: int, seed: int, scale: float,
+                   channels: list[int] | None = None) -> torch.nn.Module:  # fmt: skip
+        """``denoiser`` under a new ControlNet copied from it (seeded), as one module called like the denoiser whose
+        ``conditioned(image)`` sets the conditioning image and whose ``controlnet`` is the trained part; a
+        ValueError naming the family where it has none."""
+        raise ValueError(f"the {self.name} family has no ControlNet in this version")
+
+    def load_controlled(self, denoiser: torch.nn.Module, folder, scale: float) -> torch.nn.Module:
+        """:meth:`controlled` with the ControlNet read from a saved diffusers folder."""
+        raise ValueError(f"the {self.name} family has no ControlNet in this version")
+
     # ------------------------------------------------------------------------------------------ export
     lora_prefix: str
     """The key prefix of the denoiser's layers in a diffusers LoRA file (``load_lora_weights`` reads it)."""

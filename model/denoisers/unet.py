@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from model.denoisers.base import DenoiserFamily
+from model.denoisers.unet_controlnet import ControlledUNet, build_unet_controlnet, like
 from model.seeding import seeded
 
 UNET_GROUPS: dict[str, tuple[str, ...]] = {
@@ -160,6 +161,15 @@ class UNetFamily(DenoiserFamily):
 
     def pixel_multiple(self, model, vae_factor: int) -> int:
         return vae_factor * 2 ** (len(model.config.down_block_types) - 1)
+
+    def controlled(self, denoiser, vae_factor: int, seed: int, scale: float, channels=None) -> ControlledUNet:
+        return ControlledUNet(denoiser, build_unet_controlnet(denoiser, vae_factor, seed, channels), scale)
+
+    def load_controlled(self, denoiser, folder, scale: float) -> ControlledUNet:
+        from diffusers import ControlNetModel  # lazy: diffusers costs 4-6 s to import (output_projections)
+
+        controlnet = ControlNetModel.from_pretrained(folder, use_safetensors=True)
+        return ControlledUNet(denoiser, like(controlnet, denoiser), scale)
 
     lora_prefix = "unet"
 

@@ -74,7 +74,7 @@ from sdforge.config.models import (
 )
 from sdforge.config.params import Params, load_params, parse_params, read_yaml_bounded
 from sdforge.config.paths import Paths, Storage, Tracking
-from sdforge.config.phases import ADAPTER_TARGETS, Adapter, AdapterTarget, CaptionMix, Distill, Phase
+from sdforge.config.phases import ADAPTER_TARGETS, Adapter, AdapterTarget, CaptionMix, ControlNet, Distill, Phase
 from sdforge.config.sources import (
     CocoOptions,
     Columns,
@@ -119,6 +119,7 @@ __all__ = [
     "CannySettings",
     "Conditions",
     "CaptionMix",
+    "ControlNet",
     "Distill",
     "CaptionerBuild",
     "CategorySampling",

@@ -139,6 +139,7 @@ class Params(Section):
         checks = {
             f"{at}.adapter": p.adapter is not None,
             f"{at}.distill": p.distill is not None,
+            f"{at}.controlnet": p.controlnet is not None,
             f"{at}.optimizer: {p.optimizer}": p.optimizer != "adamw",
             "train.ema_device: cpu": train.ema_device == "cpu",
         }
@@ -172,6 +173,7 @@ class Params(Section):
                     f"{earlier}; got '{phase.init_from}'"
                 )
             _check_learned_words_stay(name, phase, self.phases)
+            _check_condition_made(name, phase, self.conditions.kinds)
             earlier.append(name)
         return self
 
@@ -189,6 +191,15 @@ def _check_learned_words_stay(name: str, phase, phases: dict) -> None:
             f"phases.{name}.init_from: '{phase.init_from}' learns words ({base.adapter.words}) in the text "
             f"encoder, which a later phase does not carry over; learn them in the last phase of a lineage, "
             f"or in phases.{name} itself"
+        )
+
+
+def _check_condition_made(name: str, phase, kinds: list[str]) -> None:
+    """A ControlNet phase's condition must be one ``condition_images`` makes (``conditions.kinds``)."""
+    if phase.controlnet is not None and phase.controlnet.condition not in kinds:
+        raise ValueError(
+            f"phases.{name}.controlnet.condition: '{phase.controlnet.condition}' is not in conditions.kinds {kinds}; "
+            "add it there so condition_images makes it for every training sample"
         )
 
 
@@ -295,6 +306,8 @@ FAMILY_LACKS = {
         "adapter.words": "learned words are written into one text encoder's rows; the mmdit family has two, which "
         "this version does not support — leave it []",
         "distill": "consistency distillation is not supported for the mmdit family yet — remove it",
+        "controlnet": "its ControlNet (diffusers' SD3ControlNetModel) is not built yet — remove it, or train the "
+        "ControlNet on a unet-family phase",
     },
 }
 """Phase capabilities a family does not have yet, with what to do."""
@@ -316,7 +329,7 @@ def _check_family_phase(family: str, name: str, phase: Phase, objective: str) ->
             raise ValueError(f"{where}.adapter.targets: {foreign} are not layer groups of the {family} family "
                              f"(its groups: {list(FAMILY_ADAPTER_TARGETS[family])})")  # fmt: skip
     asked = {"adapter.words": phase.adapter is not None and bool(phase.adapter.words),
-             "distill": phase.distill is not None}  # fmt: skip
+             "distill": phase.distill is not None, "controlnet": phase.controlnet is not None}  # fmt: skip
     for key, why in FAMILY_LACKS[family].items():
         if asked[key]:
             raise ValueError(f"{where}.{key}: {why}")

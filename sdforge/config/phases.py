@@ -94,6 +94,28 @@ class Distill(Section):
         return self
 
 
+class ControlNet(Section):
+    """``phases.<p>.controlnet``: train a ControlNet (Zhang et al. 2023) on the phase's init UNet, frozen, so that
+    a conditioning image (``condition``, made by ``condition_images`` beside each latent) steers where things are
+    drawn. Built with diffusers' ``ControlNetModel.from_unet`` from the ``init_from`` weights (their encoder copied,
+    its output convolutions zero: the untrained ControlNet changes nothing). A ControlNet phase's ``cfg_dropout``
+    defaults to the paper's 0.5 (half the samples train on the empty prompt, so the condition alone must carry the
+    layout). docs/CONTROL.md."""
+
+    condition: Literal["canny"] = "canny"
+    """The conditioning image's kind; it must be in ``conditions.kinds`` (``condition_images`` makes it)."""
+    conditioning_scale: float = Field(1.0, gt=0)
+    """The ControlNet's residuals are multiplied by this before they enter the UNet, in training and sampling
+    (diffusers' ``controlnet_conditioning_scale``)."""
+    embedding_channels: list[Annotated[int, Field(ge=1)]] | None = None
+    """Widths of the conditioning image's encoder, one more than the VAE's stride-2 stages; null: diffusers'
+    ``[16, 32, 96, 256]`` for an 8× VAE (its first entries for a smaller one)."""
+
+
+CONTROLNET_CFG_DROPOUT = 0.5
+"""A ControlNet phase's ``cfg_dropout`` unless it sets one: the paper replaces half the prompts by the empty one."""
+
+
 class CaptionMix(Section):
     """``phases.<p>.caption_mix``: the share of samples that train with their original and with their synthetic
     caption (``caption_images``), chosen per (seed, sample, epoch) (:mod:`sdforge.captions.mix`)."""
@@ -176,6 +198,9 @@ class Phase(Section):
     distill: Distill | None = None
     """Train the adapter by latent consistency distillation of the init weights (a few-step sampler) instead of the
     denoising objective; needs ``adapter`` (the student is the init UNet plus it). null: an ordinary phase."""
+    controlnet: ControlNet | None = None
+    """Train a ControlNet on the frozen init UNet instead of the UNet itself (null: an ordinary phase); its
+    ``cfg_dropout`` defaults to 0.5."""
     caption_mix: CaptionMix | None = None
     """null: original captions only. A sample without a synthetic caption (its source not recaptioned, or its
     caption rejected) trains with its original one whatever the draw."""
@@ -231,6 +256,20 @@ class Phase(Section):
                 f"timestep_sampling to uniform (is {self.timestep_sampling}) and adapter.words to [] "
                 "(docs/ADAPTERS.md \"Distillation\")"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _controlnet_options(self) -> Phase:
+        if self.controlnet is None:
+            return self
+        others = [key for key, value in (("adapter", self.adapter), ("distill", self.distill)) if value is not None]
+        if others:
+            raise ValueError(f"controlnet trains a ControlNet on the frozen init UNet; it does not combine with "
+                             f"{' or '.join(others)} — remove {'them' if len(others) > 1 else 'it'}")  # fmt: skip
+        if self.init_from == SCRATCH and self.init_path is None:
+            raise ValueError("controlnet needs a trained UNet to copy and steer: set init_from to a trained phase")
+        if "cfg_dropout" not in self.model_fields_set:
+            object.__setattr__(self, "cfg_dropout", CONTROLNET_CFG_DROPOUT)  # frozen: the default depends on the kind
         return self
 
     @model_validator(mode="after")

@@ -65,6 +65,8 @@ class LatentIndexDataset:
         self.shard = index.shard
         """Sample ``i``'s shard number and row in it: ``(sources[source_code[i]], shard[i], row[i])`` names it."""
         self._shards: list[ShardArrays] = []
+        self.shard_keys: list[tuple[str, int, tuple[int, int]]] = []
+        """Per shard file: ``(source, shard number, bucket)``; :meth:`locate` gives each sample's position in it."""
         self._ids_fetched: set[int] = set()
         self.latent_shapes: dict[int, tuple[int, ...]] = {}
         for sid, (code, shard, bucket) in enumerate(keys.T.tolist()):
@@ -76,6 +78,7 @@ class LatentIndexDataset:
             )
             _advise_random(arrays.latents)
             self._shards.append(arrays)
+            self.shard_keys.append(where)
         self._row_bytes = [arrays.latents[0].nbytes for arrays in self._shards]
         with_synthetic = np.asarray([a.synthetic_ids is not None for a in self._shards], dtype=bool)
         self.has_synthetic: np.ndarray = with_synthetic[self._sid]
@@ -123,6 +126,11 @@ class LatentIndexDataset:
     @property
     def row(self) -> np.ndarray:
         return self._row
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The shard file (an index into :attr:`shard_keys`) and row of each sample at index ``positions``."""
+        positions = np.asarray(positions)
+        return self._sid[positions], self._row[positions]
 
     def gather(self, positions: np.ndarray, synthetic: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(latents fp32 [B, C, h, w], input_ids int64 [B, 77])`` of the samples at index ``positions``

@@ -46,8 +46,11 @@ INPUT_FILES = {
     "init": "${paths.checkpoints}/${item.init_from}",
     "models": "${paths.models}",
     "latents": "${paths.latents}",
+    "conditions": "${paths.mixes}/${key}.conditions.json",
 }
-"""The files a phase's weights read, by name, as ``dvc.yaml`` lists them."""
+"""The files a phase's weights read, by name, as ``dvc.yaml`` lists them. ``conditions`` (``mix_phase``'s record of
+the condition shards a ControlNet phase reads) counts for ControlNet phases only: the records of runs made before it
+existed stay equal for every other phase."""
 MODEL_FILES = (
     "scheduler", "tokenizer", "text_encoder", "uncond_embedding.safetensors", "tokenizer_2", "text_encoder_2",
 )  # fmt: skip
@@ -134,13 +137,16 @@ def input_digests(params: Params, phase_name: str) -> dict[str, str]:
     index = resolve(INPUT_FILES["index"], params, phase_name)
     models = resolve(INPUT_FILES["models"], params, phase_name)
     latents = resolve(INPUT_FILES["latents"], params, phase_name)
-    return {
+    digests = {
         "index": tree_digest(index),
         "held_out": tree_digest(resolve(INPUT_FILES["held_out"], params, phase_name)),
         "init": tree_digest(resolve(INPUT_FILES["init"], params, phase_name)),
         "models": tree_digest(*(models / name for name in MODEL_FILES)),
         "latents": latent_shards_digest(index, latents, params.phase_resolution(phase_name)),
     }
+    if params.phases[phase_name].controlnet is not None:
+        digests["conditions"] = tree_digest(resolve(INPUT_FILES["conditions"], params, phase_name))
+    return digests
 
 
 def tree_digest(*roots: Path) -> str:

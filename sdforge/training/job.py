@@ -15,6 +15,7 @@ from model.activation_memory import checkpoint_units, set_checkpointing
 from model.denoisers import family
 from model.speed import CUDA_ONLY, attention_backends, deterministic_attention
 from sdforge.config import Params
+from sdforge.control.reader import condition_reader
 from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
 from sdforge.training.conditioning import Conditioning, set_kernel_policy
@@ -33,6 +34,11 @@ from sdforge.training.static_step import StaticStep, static_step
 from sdforge.training.watchdog import fingerprint
 
 log = logging.getLogger(__name__)
+
+
+def vae_factor(data: LatentIndexDataset) -> int:
+    """How many pixels a latent spans per side: the first bucket's width over its latents' width."""
+    return max(1, data.buckets[0][0] // int(data.latent_shapes[0][-1])) if data.buckets else 8
 
 
 class JobEvents:
@@ -87,7 +93,9 @@ class TrainJob(JobEvents):
         cap_device_memory(self.cfg, dist.device)  # a budget on CUDA is a hard limit: a smaller card, emulated
         largest = max(self.data.latent_shapes.values(), key=lambda shape: shape[-1] * shape[-2], default=None)
         self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers,
-                                         tuple(largest[-2:]) if largest else None)  # fmt: skip
+                                         tuple(largest[-2:]) if largest else None, vae_factor(self.data))  # fmt: skip
+        self.controls = condition_reader(params, phase_name, self.data)
+        """A ControlNet phase's conditioning images, read beside the latents (None for any other phase)."""
         self.memory: MemoryPlan | None = None
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
@@ -96,6 +104,10 @@ class TrainJob(JobEvents):
         self.state = TrainState(self.cfg.seed, dist.rank)
         self.static: StaticStep | None = static_step(self)
         """``train.cuda_graphs: step``'s buffers and graphs (None: the eager step)."""
+
+    def control_metrics(self) -> dict:
+        """A ControlNet phase's samples that trained under an empty map (no condition was made for them)."""
+        return {} if self.controls is None else {"controlnet.missing_conditions": self.controls.missing}
 
     def release_training_memory(self) -> None:
         """Free what only training needs — the optimizer's moments, the gradients, a static step's buffers and

@@ -5,6 +5,7 @@ strategy object (:mod:`sdforge.training.trained_model`, :mod:`sdforge.training.s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from model.precision import uses_bf16_autocast
 from model.sharding import shard_model
 from model.speed import compile_unet
 from sdforge.config import SCRATCH, Adapter, Params, Phase
+from sdforge.training.controlnet_model import ControlNetUNet, attach_controlnet
 from sdforge.training.distributed import Dist
 from sdforge.training.parallel import choose_sharding, ensure_process_group
 from sdforge.training.sharded_model import ShardedUNet
@@ -40,6 +42,7 @@ def build_trained_model(
     words: LearnedWords | None = None,
     blockers: tuple[str, ...] = (),
     latent_hw: tuple[int, int] | None = None,
+    vae_factor: int = 8,
 ) -> FullUNet:
     """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
     for training (channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
@@ -47,7 +50,8 @@ def build_trained_model(
     ranks (:class:`ShardedUNet`) where ``train.parallel`` says so (:mod:`sdforge.training.parallel`; ``blockers``:
     what of the phase sharding does not support). With ``train.activation_checkpointing`` ``auto`` or
     ``selective``, its activations are measured first at ``latent_hw`` (its ``activation_profile``; checkpointing
-    itself is set by the job's memory plan, :mod:`sdforge.training.memory_plan`)."""
+    itself is set by the job's memory plan, :mod:`sdforge.training.memory_plan`). A ControlNet phase's UNet is
+    frozen under a new ControlNet for images ``vae_factor``× its latents (:class:`ControlNetUNet`)."""
     cfg = params.train
     init_dir = Path(params.paths.checkpoints) / phase.init_from
     weights = "live" if phase.init_from == SCRATCH else phase.init_weights
@@ -60,11 +64,13 @@ def build_trained_model(
         ensure_process_group(dist)
     if phase.adapter is not None:
         _add_unet_adapter(unet, phase.adapter, denoiser_family)
+    if phase.controlnet is not None:
+        unet = attach_controlnet(unet, phase.controlnet, denoiser_family, vae_factor, cfg.seed)
     unet.to(dist.device).train()
     bf16 = uses_bf16_autocast(dist.device, cfg.mixed_precision)
     profile = None
     if cfg.activation_checkpointing in PROFILED and latent_hw is not None:  # before compile and sharding
-        profile = activation_profile(unet, denoiser_family, dist.device, bf16, latent_hw)
+        profile = activation_profile(unet, denoiser_family, dist.device, bf16, latent_hw, vae_factor)
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
     compiled = compile_unet(unet, cfg.compile, bucket_shapes)
@@ -76,16 +82,23 @@ def build_trained_model(
                  "fp32)", units, dist.world, "bf16" if bf16 else "fp32")  # fmt: skip
         model = ShardedUNet(unet, dist, units)
     else:
-        model = FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
+        model = _replicated(unet, phase, dist, words)
     model.activation_profile = profile
     return model
 
 
+def _replicated(unet: torch.nn.Module, phase: Phase, dist: Dist, words: LearnedWords | None) -> FullUNet:
+    """The strategy of a phase whose every rank holds the whole model: a ControlNet, an adapter, or every weight."""
+    if phase.controlnet is not None:
+        return ControlNetUNet(unet, dist, phase.controlnet)
+    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
+
+
 def activation_profile(unet: torch.nn.Module, denoiser_family: DenoiserFamily, device: torch.device, bf16: bool,
-                       latent_hw: tuple[int, int]) -> ActivationProfile:  # fmt: skip
+                       latent_hw: tuple[int, int], vae_factor: int = 8) -> ActivationProfile:  # fmt: skip
     """What ``unet`` keeps for the backward per checkpoint unit (:func:`model.activation_memory.measure_profile`):
-    its training forward at batch 1 and 2 on ``device``, ``latent_hw`` latents and random conditioning, outside
-    the run's random streams."""
+    its training forward at batch 1 and 2 on ``device``, ``latent_hw`` latents and random conditioning (and an
+    empty conditioning image ``vae_factor``× their size for a ControlNet), outside the run's random streams."""
     rows, width = denoiser_family.cond_shape(dict(unet.config), PROBE_TOKENS)
     channels = denoiser_family.latent_channels(unet)
 
@@ -94,7 +107,9 @@ def activation_profile(unet: torch.nn.Module, denoiser_family: DenoiserFamily, d
         x = torch.randn(batch, channels, *latent_hw, generator=gen).to(device)
         cond = torch.randn(batch, rows, width, generator=gen).to(device)
         t = torch.full((batch,), 500.0, device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        image = torch.zeros(batch, 3, latent_hw[0] * vae_factor, latent_hw[1] * vae_factor, device=device)
+        control = unet.conditioned(image) if hasattr(unet, "conditioned") else contextlib.nullcontext()
+        with control, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             return denoiser_family.predict(unet, x, t, cond).float().pow(2).mean()
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

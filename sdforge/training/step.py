@@ -76,11 +76,14 @@ class EpochReader:
         self.steps = len(self.batches) // job.plan.split.accum
         start = job.state.progress.batch * job.plan.split.accum
         self._reader = iter_batches(job.data, self.batches, start, self.captions)
+        self._controls = job.controls
 
-    def next_micro_batch(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """The next micro-batch: its index positions, latents and token ids."""
+    def next_micro_batch(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The next micro-batch: its index positions, latents, token ids and (a ControlNet phase's) conditioning
+        images."""
         b, latents, input_ids = next(self._reader)
-        return self.batches[b], latents, input_ids
+        control = None if self._controls is None else self._controls.gather(self.batches[b])
+        return self.batches[b], latents, input_ids, control
 
 
 def train_step(job, reader: EpochReader) -> StepReport:
@@ -95,11 +98,12 @@ def train_step(job, reader: EpochReader) -> StepReport:
     t0, data_wait, positions, losses = time.perf_counter(), 0.0, [], []
     for k in range(split.accum):
         t = time.perf_counter()
-        batch_positions, latents, input_ids = reader.next_micro_batch()
+        batch_positions, latents, input_ids, control = reader.next_micro_batch()
         data_wait += time.perf_counter() - t
         last = k == split.accum - 1
         micro = job.static.micro_step if job.static is not None else micro_step
-        losses.append(micro(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last))
+        losses.append(micro(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last,
+                            control=control))  # fmt: skip
         positions.append(batch_positions)
     state.progress.step += 1
     grad_norm = optimizer_step(job, state.progress.step)
@@ -147,37 +151,44 @@ class MicroBatch:
     """``[B, P]`` bool: the sample loses caption part ``p`` (``phases.<p>.caption_dropout``; P may be 0)."""
     draws: LossDraws | None
     """The loss's noise, level and ξ; None for a distillation phase (its draws are the teacher step's own)."""
+    control: torch.Tensor | None = None
+    """A ControlNet phase's conditioning images ``[B, 3, H, W]`` (None for any other phase)."""
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor, in a fixed order (a static buffer is copied into tensor by tensor)."""
         loss = [] if self.draws is None else [self.draws.noise, self.draws.level]
         xi = [] if self.draws is None or self.draws.xi is None else [self.draws.xi]
-        return [self.latents, self.input_ids, self.drop, self.part_drop, *loss, *xi]
+        control = [] if self.control is None else [self.control]
+        return [self.latents, self.input_ids, self.drop, self.part_drop, *loss, *xi, *control]
 
     def to(self, device: torch.device) -> MicroBatch:
         """The micro-batch on ``device`` (:func:`~model.diffusion.to_device`: no host synchronisation)."""
         draws = None if self.draws is None else self.draws.to(device)
+        control = None if self.control is None else to_device(self.control, device)
         return MicroBatch(to_device(self.latents, device), to_device(self.input_ids, device),
-                          to_device(self.drop, device), to_device(self.part_drop, device), draws)  # fmt: skip
+                          to_device(self.drop, device), to_device(self.part_drop, device), draws, control)  # fmt: skip
 
 
-def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens) -> MicroBatch:
-    """The micro-batch with its draws from the per-sample streams ``gens``, in this order per sample: the CFG drop,
-    each caption part's drop, then the loss's noise, level and ξ (:func:`phase_draws`; none for distillation)."""
+def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens, control=None) -> MicroBatch:
+    """The micro-batch (``control``: a ControlNet phase's conditioning images) with its draws from the per-sample
+    streams ``gens``, in this order per sample: the CFG drop, each caption part's drop, then the loss's noise, level
+    and ξ (:func:`phase_draws`; none for distillation)."""
     batch = latents.shape[0]
     drop = drop_mask(batch, job.phase.cfg_dropout, gens)
     part_drop = part_drop_mask(batch, job.caption_parts, gens)
     draws = None
     if job.phase.distill is None:
         draws = phase_draws(job.phase, job.objective, job.conditioning.scheduler, tuple(latents.shape), gens)
-    return MicroBatch(latents, input_ids, drop, part_drop, draws)
+    return MicroBatch(latents, input_ids, drop, part_drop, draws, control)
 
 
-def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool):
-    """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``); each sample's loss, fp32,
-    detached, on the device (read once per step by :func:`train_step`)."""
+def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool,
+               control: torch.Tensor | None = None):  # fmt: skip
+    """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``; ``control``: a ControlNet
+    phase's conditioning images); each sample's loss, fp32, detached, on the device (read once per step by
+    :func:`train_step`)."""
     gens = part_generators(seeds)
-    batch = draw_micro(job, latents, input_ids, gens).to(job.dist.device)
+    batch = draw_micro(job, latents, input_ids, gens, control).to(job.dist.device)
     return micro_loss(job, batch, scale, sync, gens)
 
 
@@ -189,7 +200,7 @@ def micro_loss(job, batch: MicroBatch, scale: float, sync: bool, gens=None, cast
     dev = job.dist.device
     cond = condition(job, batch)
     bf16 = uses_bf16_autocast(dev, job.cfg.mixed_precision)
-    with job.model.no_sync(sync), attention_context(job.attention):  # no_sync() is single-use: one context
+    with job.model.no_sync(sync), attention_context(job.attention), job.model.controlled(batch.control):
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=cast_cache):
             if batch.draws is None:  # distillation: the teacher's target instead of the denoising one
                 per_sample = distill_loss(job, batch.latents, cond, gens)

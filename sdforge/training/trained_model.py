@@ -61,6 +61,10 @@ class FullUNet:
         """DDP's ``no_sync()`` for a micro-batch whose gradients are not all-reduced yet (else a null context)."""
         return self.forward_module.no_sync() if (self.world > 1 and not sync) else contextlib.nullcontext()
 
+    def controlled(self, image: torch.Tensor | None):
+        """The micro-batch's forward under its conditioning image: a null context (no ControlNet here)."""
+        return contextlib.nullcontext()
+
     def parameter_counts(self) -> dict:
         """``trainable_params`` (what the optimizer updates), ``unet_params`` (the UNet without adapters), share."""
         trainable, base = count_parameters(self.unet)

@@ -14,6 +14,7 @@ in the step record, as MLflow step metrics, and at the end as ``final_val_loss*`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -27,6 +28,7 @@ from model.held_out_loss import fixed_fractions, held_out_losses
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
 from sdforge.config import Params
+from sdforge.control.reader import ConditionReader, condition_reader
 from sdforge.io import held_out_path
 from sdforge.latents.loader import LatentIndexDataset
 from sdforge.training.conditioning import Conditioning
@@ -44,8 +46,11 @@ def sample_noise_seed(seed: int, source: str, key: str) -> int:
 class HeldOutLoss:
     """The held-out samples of one phase, in fixed batches (one bucket each) with their fixed noise."""
 
-    def __init__(self, data: LatentIndexDataset, keys: list[str], seed: int, points: int, batch_size: int):
+    def __init__(self, data: LatentIndexDataset, keys: list[str], seed: int, points: int, batch_size: int,
+                 controls: ConditionReader | None = None):  # fmt: skip
         self.data, self.fractions = data, fixed_fractions(points)
+        self.controls = controls
+        """A ControlNet phase's held-out conditioning images: each sample's loss is measured under its own."""
         self.batches: list[np.ndarray] = []
         for bucket in range(len(data.buckets)):
             positions = np.flatnonzero(data.sample_bucket == bucket)
@@ -71,7 +76,8 @@ class HeldOutLoss:
             return None
         data = LatentIndexDataset(path, Path(params.paths.latents), params.phase_resolution(phase_name))
         cfg = params.train
-        return cls(data, keys, cfg.seed, cfg.val_loss_timesteps, cfg.val_loss_batch)
+        return cls(data, keys, cfg.seed, cfg.val_loss_timesteps, cfg.val_loss_batch,
+                   condition_reader(params, phase_name, data))  # fmt: skip
 
     def measure(self, job, weights: list[torch.Tensor] | None = None) -> dict[str, float]:
         """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights, or of
@@ -105,7 +111,10 @@ class HeldOutLoss:
         latents, input_ids = self.data.gather(self.batches[b])
         dev = conditioning.device
         cond = conditioning.encode(input_ids)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+        control = contextlib.nullcontext()
+        if self.controls is not None:
+            control = unet.conditioned(self.controls.gather(self.batches[b]).to(dev))
+        with control, torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
             return held_out_losses(unet, latents.to(dev), cond, self.noise[b].to(dev), self.fractions,
                                    objective=objective, scheduler=conditioning.scheduler)  # fmt: skip
 

@@ -9,6 +9,7 @@ exactly, so a run with validation trains bit-identically to one without.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from sdforge.config import Params
 from sdforge.eval.grid import captioned_grid
 from sdforge.eval.sampling import Pipeline, generate
 from sdforge.training.hooks import Hook
+
+log = logging.getLogger(__name__)
 
 
 class Validator:
@@ -84,6 +87,10 @@ class ValidationHook(Hook):
         self.validator = None
 
     def start(self, job) -> None:
+        if self.every > 0 and job.phase.controlnet is not None:
+            log.warning("train.validation_every: a ControlNet phase's validation images need its held-out "
+                        "conditions, which are not built yet (docs/CONTROL.md); none are sampled")  # fmt: skip
+            return
         if job.dist.is_main or job.model.sharded:  # a sharded model samples on every rank (its forward is collective)
             self.validator = Validator(self.params, job)
 

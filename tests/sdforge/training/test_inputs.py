@@ -86,5 +86,8 @@ def test_a_phase_record_hashes_every_declared_file(tmp_path):
     data = tiny_params(tmp_path)
     params = parse_params(data)
     record = phase_inputs(params, "phase1")
-    assert set(record.files) == set(INPUT_FILES)
+    assert set(record.files) == set(INPUT_FILES) - {"conditions"}  # a ControlNet phase's only: older records stay
     assert record.fingerprint == phase_inputs(params, "phase1").fingerprint  # the same on a second look
+    data["conditions"] = {"kinds": ["canny"]}
+    data["phases"]["phase2"]["controlnet"] = {"condition": "canny"}
+    assert set(phase_inputs(parse_params(data), "phase2").files) == set(INPUT_FILES)
