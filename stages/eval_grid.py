@@ -12,6 +12,7 @@ when their local weights are given (see ``docs/EVAL.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -20,6 +21,7 @@ from PIL import Image
 
 from sdforge.config import DemoData, Eval, Params
 from sdforge.eval.coco import run_protocol
+from sdforge.eval.control import evaluate_control, held_out_controls
 from sdforge.eval.grid import (
     captioned_grid,
     check_extra_sizes,
@@ -45,15 +47,19 @@ COCO = "coco"
 HEADLINE = (
     "colour_agreement_seen", "shape_agreement_seen", "colour_agreement_held_out", "shape_agreement_held_out",
     "colour_agreement_concept", "shape_agreement_concept", "clip_score", "fid", "coco_fid", "coco_clip_score",
+    "controlnet.canny_f1", "controlnet.canny_f1_base", "controlnet.placement_iou",
 )
 """The eval figures copied onto the phase's parent run (those present: the probe at demo scale, CLIP score
 and FID where their weights are given)."""
 
 
-def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path) -> dict:
+def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_dir: Path, control=None) -> dict:
     """Sample ``cfg.prompts`` (and the extra sizes) with EMA weights, write the grid, strips and images; return
-    metrics. A bad ``eval.extra_sizes`` entry is an :class:`~sdforge.io.InputError` before any sampling."""
-    pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
+    metrics. A bad ``eval.extra_sizes`` entry is an :class:`~sdforge.io.InputError` before any sampling. A ControlNet
+    phase's prompts are drawn by its base; ``control`` (its held-out samples and Canny thresholds) is drawn with and
+    without the ControlNet (:mod:`sdforge.eval.control`)."""
+    steered = load_pipeline(models_dir, checkpoint_dir, use_ema=True)
+    pipe = dataclasses.replace(steered, unet=steered.denoiser, controlnet=None)
     check_extra_sizes(pipe, cfg)
     samples = sample_categories(pipe, cfg)
     categories, prompts, images = (list(x) for x in zip(*samples, strict=True))
@@ -84,17 +90,10 @@ def run(cfg: Eval, demo: DemoData, models_dir: Path, checkpoint_dir: Path, out_d
         }
     )
     fid = cfg.fid
-    metrics.update(
-        image_metrics(
-            images,
-            prompts,
-            categories,
-            cfg.clip_model_path,
-            fid.inception_path,
-            fid.reference_dir,
-            fid.max_reference_images,
-        )
-    )
+    metrics.update(image_metrics(images, prompts, categories, cfg.clip_model_path, fid.inception_path,
+                                 fid.reference_dir, fid.max_reference_images))  # fmt: skip
+    if steered.controlnet is not None:
+        metrics.update(evaluate_control(steered, control[0], cfg, control[1], demo, out_dir))
     return metrics
 
 
@@ -142,8 +141,12 @@ def run_stage(params: Params, phase: str) -> dict:
             summarise(mlflow, note=f"**Eval**: not sampled (`phases.{phase}.eval_grid: false`).")
         log.info("eval grid of %s not sampled (phases.%s.eval_grid: false)", phase, phase)
         return metrics
-    checkpoint = Path(params.paths.checkpoints) / phase
-    metrics = run(scoring_eval(params), params.demo, Path(params.paths.models), checkpoint, out_dir)
+    checkpoint, spec = Path(params.paths.checkpoints) / phase, params.phases[phase].controlnet
+    control = None
+    if spec is not None:  # its held-out samples' captions and conditions; the condition's thresholds
+        settings = getattr(params.conditions, spec.condition).model_dump()
+        control = held_out_controls(params, phase, params.eval.control_samples), settings
+    metrics = run(scoring_eval(params), params.demo, Path(params.paths.models), checkpoint, out_dir, control)
     if params.eval.coco.phase_end_samples:  # FID-5k at full scale (docs/EVAL.md "COCO protocol")
         metrics.update(run_protocol(params, checkpoint, params.eval.coco.phase_end_samples, out_dir / COCO))
     with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:

@@ -63,6 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [p for p in flags.prompt for _ in range(flags.num_images)]
     seeds = flags.seeds
     _refuse_foreign_files(_png_paths(flags.out, seeds))
+    controls = _control_images(flags.control_per_image)
+    if not _controls_fit(pipe, controls, len(prompts), flags):
+        return 2
     images = generate(
         pipe,
         prompts,
@@ -73,6 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
         batch_size=flags.batch_size,
         width=flags.width,
         height=flags.height,
+        control_images=controls,
     )
     meta = {
         "negative_prompt": args.negative,
@@ -85,6 +89,39 @@ def _generate(args: argparse.Namespace) -> int:
     for path in _write_pngs(flags.out, images, prompts, seeds, meta):
         print(path)
     return 0
+
+
+def _controls_fit(pipe, controls, count: int, flags) -> bool:
+    """Whether the conditioning images suit the checkpoint (a ControlNet phase needs them, of the image size; any
+    other refuses them); logs why not."""
+    from model.sampler import latent_shape_for  # lazy: torch (imported already by _generate)
+    from sdforge.eval.sampling import control_tensors  # lazy: torch, as above
+
+    try:
+        control_tensors(pipe, controls, count, latent_shape_for(pipe.unet, pipe.vae, width=flags.width,
+                                                                height=flags.height))  # fmt: skip
+    except ValueError as err:
+        log.error("--control-image: %s", err)
+        return False
+    return True
+
+
+def _control_images(paths: list[Path]):
+    """The ``--control-image`` files as RGB uint8 arrays (decoded within the project's pixel bound), None without
+    any; an InputError naming a file that does not decode."""
+    if not paths:
+        return None
+    import numpy as np  # lazy: only generate reads images
+
+    from sdforge.bounds.images import ImageRejected, open_bounded  # lazy: PIL, only generate reads images
+
+    decoded = {}
+    for path in dict.fromkeys(paths):
+        try:
+            decoded[path] = np.asarray(open_bounded(path))
+        except (OSError, ImageRejected) as err:
+            raise InputError(f"--control-image {path}: not an image this can read ({err})") from None
+    return [decoded[path] for path in paths]
 
 
 def _write_pngs(out: Path, images, prompts: list[str], seeds: list[int], meta: dict) -> list[Path]:
@@ -320,6 +357,11 @@ def _add_generate(sub) -> None:
         action="store_true",
         help="fuse an unmerged adapter into the UNet: sample the fused form that `sdforge export` writes by default",
     )
+    gen.add_argument(
+        "--control-image", action="append", type=Path, default=None,
+        help="a ControlNet phase's conditioning image (white Canny edges on black, the image's size): once for "
+        "every image, or once per --prompt",
+    )  # fmt: skip
     gen.add_argument("--device", default="auto", help="auto (CUDA, MPS, CPU), cpu, cuda, mps")
     gen.add_argument("--out", default="generated", help="output folder (created if missing; not a file)")
     gen.add_argument("--params", default="params.yaml")

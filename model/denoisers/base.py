@@ -124,9 +124,9 @@ class DenoiserFamily(ABC):
     # ------------------------------------------------------------------------------------------ control
     def controlled(self, denoiser: torch.nn.Module, vae_factor: int, seed: int, scale: float,
                    channels: list[int] | None = None) -> torch.nn.Module:  # fmt: skip
-        """``denoiser`` under a new ControlNet copied from it (seeded), as one module called like the denoiser whose
-        ``conditioned(image)`` sets the conditioning image and whose ``controlnet`` is the trained part; a
-        ValueError naming the family where it has none."""
+        """``denoiser`` under a new ControlNet copied from it (seeded), as one module called like the denoiser: its
+        ``conditioned(image)`` sets the conditioning image, ``controlnet`` is the trained part and ``denoiser`` the
+        steered one; a ValueError naming the family where it has none."""
         raise ValueError(f"the {self.name} family has no ControlNet in this version")
 
     def load_controlled(self, denoiser: torch.nn.Module, folder, scale: float) -> torch.nn.Module:
@@ -140,6 +140,8 @@ class DenoiserFamily(ABC):
     """Arguments a call of the exported pipeline needs beyond the prompt to draw what ``generate`` draws."""
     pipeline_load: dict = {}
     """Arguments its ``from_pretrained`` needs (components the export leaves out on purpose)."""
+    controlnet_pipeline: str | None = None
+    """The diffusers pipeline class that samples the family's denoiser under its ControlNet (None: it has none)."""
 
     @abstractmethod
     def save_lora(self, folder, layers: dict, metadata: dict) -> None:

@@ -172,6 +172,7 @@ class UNetFamily(DenoiserFamily):
         return ControlledUNet(denoiser, like(controlnet, denoiser), scale)
 
     lora_prefix = "unet"
+    controlnet_pipeline = "StableDiffusionControlNetPipeline"
 
     def save_lora(self, folder, layers: dict, metadata: dict) -> None:
         # lazy: diffusers costs 4-6 s to import (output_projections)

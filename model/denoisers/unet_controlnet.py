@@ -64,14 +64,19 @@ class ControlledUNet(torch.nn.Module):
 
     def __init__(self, unet: torch.nn.Module, controlnet: torch.nn.Module, scale: float):
         super().__init__()
-        self.unet, self.controlnet, self.scale = unet, controlnet, scale
+        self.denoiser, self.controlnet, self.scale = unet, controlnet, scale
+        """``denoiser``: the UNet it steers (frozen in training); every controlled family names it so."""
         self.control: torch.Tensor | None = None
         """The conditioning images ``[B, 3, H, W]`` in [0, 1] of the batch in flight (set by :meth:`conditioned`)."""
 
     @property
     def config(self):
         """The UNet's config (sizes and channels are the UNet's)."""
-        return self.unet.config
+        return self.denoiser.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.denoiser.dtype
 
     @contextlib.contextmanager
     def conditioned(self, control: torch.Tensor) -> Iterator[None]:
@@ -91,5 +96,5 @@ class ControlledUNet(torch.nn.Module):
         down, mid = self.controlnet(sample, timestep, encoder_hidden_states=encoder_hidden_states,
                                     controlnet_cond=control.to(sample.dtype), conditioning_scale=self.scale,
                                     return_dict=False)  # fmt: skip
-        return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states,
+        return self.denoiser(sample, timestep, encoder_hidden_states=encoder_hidden_states,
                          down_block_additional_residuals=down, mid_block_additional_residual=mid, **kwargs)  # fmt: skip

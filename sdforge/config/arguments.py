@@ -64,6 +64,26 @@ class GenerateArguments(Section):
     width: PositiveInt | None = None
     height: PositiveInt | None = None
     out: OutputFolder = Path("generated")
+    control_image: list[Path] = []
+    """A ControlNet phase's conditioning images: one for every image, or one per ``--prompt``."""
+
+    @model_validator(mode="after")
+    def _control_images_fit(self) -> GenerateArguments:
+        if len(self.control_image) not in (0, 1, len(self.prompt)):
+            raise ValueError(f"--control-image: give one (for every image) or one per --prompt ({len(self.prompt)}); "
+                             f"got {len(self.control_image)}")  # fmt: skip
+        missing = [str(p) for p in self.control_image if not p.is_file()]
+        if missing:
+            raise ValueError(f"--control-image: no such file: {', '.join(missing)}")
+        return self
+
+    @property
+    def control_per_image(self) -> list[Path]:
+        """Each image's conditioning image file (none: ``[]``)."""
+        if not self.control_image:
+            return []
+        per_prompt = self.control_image * len(self.prompt) if len(self.control_image) == 1 else self.control_image
+        return [path for path in per_prompt for _ in range(self.num_images)]
 
     @model_validator(mode="after")
     def _last_seed_fits(self) -> GenerateArguments:

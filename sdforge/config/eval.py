@@ -96,6 +96,10 @@ class Eval(Section):
     against the loaded model before any sampling; SD 1.x: 64)."""
     extra_prompts: int = Field(4, ge=1)
     """How many of the first category's prompts each ``extra_sizes`` entry samples (all of them if fewer)."""
+    control_samples: int = Field(8, ge=1)
+    """A ControlNet phase's held-out samples drawn under their own condition and caption, with and without the
+    ControlNet (ControlNet++'s protocol: ``controlnet.canny_f1``; docs/CONTROL.md). Its first ones, in the held-out
+    index's order; samples without a condition are passed over."""
 
     @field_validator("extra_sizes")
     @classmethod

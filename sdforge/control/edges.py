@@ -36,3 +36,18 @@ def edge_f1(condition: np.ndarray, generated: np.ndarray) -> float:
     hits = int(np.logical_and(condition, generated).sum())
     total = int(condition.sum()) + int(generated.sum())
     return 1.0 if total == 0 else 2.0 * hits / total
+
+
+def filled_outline(edges: np.ndarray) -> np.ndarray:
+    """The region an edge map's outer contours enclose, filled (``bool [H, W]``): where a condition asks for a
+    shape (the placement score's truth)."""
+    contours, _ = cv2.findContours(edges.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
+    filled = np.zeros(edges.shape, np.uint8)
+    cv2.drawContours(filled, contours, -1, 1, thickness=-1)
+    return filled.astype(bool)
+
+
+def mask_iou(a: np.ndarray, b: np.ndarray) -> float:
+    """Intersection over union of two ``bool`` masks; 1.0 when both are empty."""
+    union = int(np.logical_or(a, b).sum())
+    return 1.0 if union == 0 else int(np.logical_and(a, b).sum()) / union

@@ -167,14 +167,20 @@ def probe(
     0.79 than a triangle's 0.5, yet it is still wide at the base and narrow at the top.
     """
     img = image.astype(np.float32)
-    border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
-    bg = np.median(border, axis=0)
-    mask = np.sqrt(((img - bg) ** 2).sum(-1)) > 60.0
+    mask = foreground_mask(image)
     fraction = float(mask.mean())
     if fraction < min_foreground:
         return ProbeResult(colour=None, shape=None, foreground_fraction=fraction)
     colour = _nearest(np.median(img[mask], axis=0), colours)
     return ProbeResult(colour=colour, shape=_closest_template(mask), foreground_fraction=fraction)
+
+
+def foreground_mask(image: np.ndarray) -> np.ndarray:
+    """The pixels of an RGB uint8 image far (> 60 in RGB distance) from its background, the median of its border."""
+    img = image.astype(np.float32)
+    border = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
+    bg = np.median(border, axis=0)
+    return np.sqrt(((img - bg) ** 2).sum(-1)) > 60.0
 
 
 def _templates(size: int) -> dict[str, np.ndarray]:

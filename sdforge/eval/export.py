@@ -18,6 +18,11 @@ An adapter phase with ``adapter.merge: false`` (e.g. an LCM-LoRA) is exported in
   ``--live``: ``adapter/``); ``StableDiffusionPipeline.from_pretrained(folder)`` followed by
   ``pipe.load_lora_weights(folder)`` rebuilds it and draws what ``sdforge generate`` draws.
 
+A ControlNet phase (``phases.<p>.controlnet``) exports its base pipeline with ``controlnet/`` beside it (the
+ControlNet, ``ControlNetModel.from_pretrained``): ``StableDiffusionControlNetPipeline.from_pretrained(folder,
+controlnet=…)`` called with ``controlnet_conditioning_scale`` (``sdforge_export.json``: ``controlnet``) draws what
+``sdforge generate --control-image`` draws.
+
 ``--mlflow-register NAME`` logs the folder as the artifacts of an MLflow run (``export`` under the
 parent run ``export``) and creates a version of registered model ``NAME`` whose source is them.
 
@@ -51,10 +56,12 @@ from sdforge.tracking import stage_run
 log = logging.getLogger(__name__)
 
 MODEL_ARTIFACT = "diffusers_pipeline"
+CONTROLNET_DIR = "controlnet"
+"""A ControlNet phase's ControlNet in an export, beside the base pipeline (``ControlNetModel.from_pretrained``)."""
 EXPORT_ENTRIES = frozenset({
     "model_index.json", "unet", "transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
     "text_encoder_3", "tokenizer_3", "scheduler", "safety_checker", "feature_extractor", "image_encoder", LORA_FILE,
-    EXPORT_MARKER,
+    CONTROLNET_DIR, EXPORT_MARKER,
 })  # fmt: skip
 """What an export may hold at its top (the family's pipeline components, the LoRA file, the marker)."""
 TEMP_TAG, REPLACED_TAG = "export", "replaced"
@@ -104,7 +111,7 @@ def export_pipeline(
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=use_ema, device="cpu", fuse_adapter=not keep_lora)
     if keep_lora:  # the base UNet goes to unet/: drop the (unfused) LoRA layers, the weights stay the base's
         pipe.unet.unload_lora()
-    sd = pipe.family.pipeline(pipe.unet, pipe.vae, pipe.text.encoders, pipe.text.tokenizers, pipe.scheduler())
+    sd = pipe.family.pipeline(pipe.denoiser, pipe.vae, pipe.text.encoders, pipe.text.tokenizers, pipe.scheduler())
     metrics = {
         "export_dir": str(out_dir),
         "checkpoint": str(checkpoint_dir),
@@ -117,15 +124,18 @@ def export_pipeline(
         **({"load": pipe.family.pipeline_load} if pipe.family.pipeline_load else {}),
         **({"adapter": "lora_file" if keep_lora else "fused"} if adapter is not None else {}),
         **_few_step_metrics(pipe),
+        **_controlnet_metrics(pipe),
     }
-    _write(sd, adapter / LORA_FILE if keep_lora else None, metrics, out_dir, overwrite)
+    controlnet = pipe.unet.controlnet if pipe.controlnet is not None else None
+    _write(sd, adapter / LORA_FILE if keep_lora else None, metrics, out_dir, overwrite, controlnet)
     log.info("exported %s (%s weights) to %s", checkpoint_dir, "EMA" if use_ema else "live", out_dir)
     return metrics
 
 
-def _write(sd, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: bool) -> None:
-    """Save ``sd`` (and ``lora_file``) into a new temp folder beside ``out_dir``, the marker last, and rename it
-    into place; on any failure remove the temp folder (ours) and leave ``out_dir`` as it was."""
+def _write(sd, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: bool, controlnet=None) -> None:
+    """Save ``sd`` (and ``lora_file``, and ``controlnet`` as ``controlnet/``) into a new temp folder beside
+    ``out_dir``, the marker last, and rename it into place; on any failure remove the temp folder (ours) and leave
+    ``out_dir`` as it was."""
     target = resolved(out_dir)  # written at the real folder: a symlink given as --out stays a link to it
     warn_leftovers(target, [TEMP_TAG, REPLACED_TAG])
     tmp = fresh_sibling(target, TEMP_TAG)
@@ -133,6 +143,8 @@ def _write(sd, lora_file: Path | None, metrics: dict, out_dir: Path, overwrite: 
         sd.save_pretrained(tmp, safe_serialization=True)
         if lora_file is not None:
             shutil.copyfile(lora_file, tmp / LORA_FILE)
+        if controlnet is not None:
+            controlnet.save_pretrained(tmp / CONTROLNET_DIR, safe_serialization=True)
         write_json(tmp / EXPORT_MARKER, metrics)  # last: a folder with the marker is a whole export
         _publish(tmp, target, replace=_check_previous(out_dir, overwrite))  # checked again: minutes went by
     except BaseException:
@@ -161,6 +173,15 @@ def _few_step_metrics(pipe) -> dict:
     """``sampling_steps`` and ``guidance_scale`` a distilled phase's export samples with; ``{}`` otherwise."""
     settings = few_step_settings(pipe)
     return {} if settings is None else {"sampling_steps": settings[0], "guidance_scale": settings[1]}
+
+
+def _controlnet_metrics(pipe) -> dict:
+    """A ControlNet phase's export: where its ControlNet is, the pipeline that samples under it and the call's
+    scale (``controlnet``); ``{}`` otherwise."""
+    if pipe.controlnet is None:
+        return {}
+    return {"controlnet": {**pipe.controlnet, "folder": CONTROLNET_DIR, "pipeline": pipe.family.controlnet_pipeline,
+                           "call": {"controlnet_conditioning_scale": pipe.controlnet["conditioning_scale"]}}}
 
 
 def register(export_dir: Path, name: str, tracking: Tracking, metrics: dict) -> dict:

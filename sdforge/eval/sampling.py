@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +15,14 @@ from safetensors.torch import load_file
 
 from model.denoisers import DenoiserFamily, family_for_class, family_of
 from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
-from model.sampler import decode_to_uint8, latent_shape_for, sample_latents, sampling_scheduler, trained_image_side
+from model.sampler import (
+    decode_to_uint8,
+    latent_shape_for,
+    sample_latents,
+    sampling_scheduler,
+    trained_image_side,
+    vae_factor,
+)
 from model.text_stack import TextStack, text_part_dirs
 from sdforge.io import InputError, load_failure
 
@@ -52,6 +60,14 @@ class Pipeline:
     flow_shift: float = 1.0
     distill: dict | None = None
     """A consistency-distilled phase's ``Distill`` options (state.json ``distill``): LCM / few-step sampling."""
+    controlnet: dict | None = None
+    """A ControlNet phase's ``ControlNet`` options (state.json ``controlnet``): ``unet`` is then the denoiser under
+    its ControlNet, and every image is drawn under a conditioning image (:func:`generate`'s ``control_images``)."""
+
+    @property
+    def denoiser(self):
+        """The denoiser itself (a ControlNet phase's base, without its ControlNet)."""
+        return self.unet.denoiser if self.controlnet is not None else self.unet
 
     @property
     def family(self) -> DenoiserFamily:
@@ -162,16 +178,10 @@ def load_pipeline(
     from diffusers import AutoencoderKL, DDPMScheduler
     from transformers import CLIPTokenizer
 
-    retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
     reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
     state = checkpoint_state(checkpoint_dir)
-    unet = _load(denoiser_family.model_class(), weights, retrain)
-    adapter = unmerged_adapter(checkpoint_dir, use_ema)
-    if adapter is not None:
-        load_lora(unet, adapter)
-        if fuse_adapter:
-            fuse_lora(unet)
+    unet, adapter = _load_denoiser(checkpoint_dir, weights, use_ema, fuse_adapter, denoiser_family)
     encoder_class = getattr(transformers, denoiser_family.text_encoder_class)
     encoders, tokenizers = [], []
     for encoder_dir, tokenizer_dir in text_part_dirs(denoiser_family):
@@ -189,7 +199,32 @@ def load_pipeline(
         objective=state.get("objective", "diffusion"),
         flow_shift=float(state.get("flow_shift", 1.0)),
         distill=state.get("distill"),
+        controlnet=state.get("controlnet"),
     )
+
+
+def _load_denoiser(checkpoint_dir: Path, weights: Path, use_ema: bool, fuse_adapter: bool,
+                   denoiser_family: DenoiserFamily) -> tuple:  # fmt: skip
+    """The phase's denoiser from ``weights``, with its unmerged adapter applied (fused if asked) or under its
+    ControlNet (``controlnet_ema/``, ``controlnet/``); ``(model, the adapter folder or None)``."""
+    retrain = f"re-run the train stage that wrote {checkpoint_dir}, or pass another checkpoint"
+    unet = _load(denoiser_family.model_class(), weights, retrain)
+    adapter = unmerged_adapter(checkpoint_dir, use_ema)
+    if adapter is not None:
+        load_lora(unet, adapter)
+        if fuse_adapter:
+            fuse_lora(unet)
+    settings = checkpoint_state(checkpoint_dir).get("controlnet")
+    if settings is not None:
+        folder = checkpoint_dir / ("controlnet_ema" if use_ema else "controlnet")
+        if not any(folder.glob("*.safetensors")):
+            raise InputError(f"{folder}: no ControlNet weights there, but state.json says the phase trained one; "
+                             f"{retrain}")  # fmt: skip
+        try:
+            unet = denoiser_family.load_controlled(unet, folder, float(settings["conditioning_scale"]))
+        except Exception as err:  # noqa: BLE001 - a folder that does not load is the folder's fault: one line
+            raise InputError(f"{folder}: cannot be loaded ({load_failure(err, with_type=True)}); {retrain}") from None
+    return unet, adapter
 
 
 def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:
@@ -246,27 +281,48 @@ def generate(
     batch_size: int = 8,
     width: int | None = None,
     height: int | None = None,
+    control_images: list[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
-    """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]``. ``width``
-    and ``height`` (default: the UNet's sample size) may differ: any multiple of ``pixel_multiple`` (SD: 64).
-    ``guidance_scale <= 1``: no CFG, the negative prompt unused (as in ``StableDiffusionPipeline``)."""
+    """RGB uint8 images, one per prompt; image ``i`` depends only on ``prompts[i]`` and ``seeds[i]`` (and, for a
+    ControlNet phase, ``control_images[i]``: RGB uint8 ``[H, W, 3]`` at the image size, fed as ``pixels / 255``, as
+    ``StableDiffusionControlNetPipeline`` does). ``width`` and ``height`` (default: the UNet's sample size) may
+    differ: any multiple of ``pixel_multiple`` (SD: 64). ``guidance_scale <= 1``: no CFG, the negative prompt unused
+    (as in ``StableDiffusionPipeline``)."""
     scheduler = pipe.scheduler()
     shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
+    controls = control_tensors(pipe, control_images, len(prompts), shape)
     uncond = pipe.text.encode_prompts([negative_prompt]) if guidance_scale > 1 else None
     images: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         cond = pipe.text.encode_prompts(chunk)
         gens = [torch.Generator().manual_seed(s) for s in seeds[start : start + batch_size]]
-        latents = sample_latents(
-            pipe.unet,
-            scheduler,
-            cond,
-            uncond,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            latent_shape=shape,
-            generators=gens,
-        )
+        control = contextlib.nullcontext()
+        if controls is not None:
+            control = pipe.unet.conditioned(controls[start : start + batch_size].to(cond.device))
+        with control:
+            latents = sample_latents(pipe.unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale,
+                                     latent_shape=shape, generators=gens)  # fmt: skip
         images.extend(decode_to_uint8(pipe.vae, latents).numpy())
     return images
+
+
+def control_tensors(pipe: Pipeline, images: list[np.ndarray] | None, count: int, latent_shape) -> torch.Tensor | None:
+    """``images`` as the ControlNet reads them (``float32 [N, 3, H, W]``, ``pixels / 255``); None for a phase without
+    a ControlNet. A ValueError when a ControlNet phase gets none, another phase gets some, or a count or size is
+    not the images'."""
+    if pipe.controlnet is None:
+        if images is not None:
+            raise ValueError("conditioning images given, but this checkpoint has no ControlNet")
+        return None
+    if images is None or len(images) != count:
+        raise ValueError(f"this checkpoint is a ControlNet phase: it needs one conditioning image per image "
+                         f"({count}); got {0 if images is None else len(images)}")  # fmt: skip
+    side = vae_factor(pipe.vae)
+    want = (latent_shape[-2] * side, latent_shape[-1] * side, 3)
+    bad = [i for i, image in enumerate(images) if image.shape != want or image.dtype != np.uint8]
+    if bad:
+        raise ValueError(f"conditioning image(s) {bad} are not RGB uint8 of the image size {want[1]}x{want[0]}")
+    stacked = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2)
+    return stacked.float() / 255.0
+

@@ -53,7 +53,7 @@ class ControlNetUNet(FullUNet):
     def parameter_counts(self) -> dict:
         """``trainable_params`` (the ControlNet's), ``unet_params`` (the frozen UNet's), their ratio."""
         trainable = sum(p.numel() for p in self.controlnet.parameters())
-        base = sum(p.numel() for p in self.unet.unet.parameters())
+        base = sum(p.numel() for p in self.unet.denoiser.parameters())
         return {"trainable_params": trainable, "unet_params": base, "trainable_share": round(trainable / base, 6)}
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
@@ -79,7 +79,7 @@ class ControlNetUNet(FullUNet):
     def export(self, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
         """``out_dir/unet_dir``: the frozen UNet as it came; ``controlnet`` (``controlnet_ema`` beside
         ``unet_ema``): the ControlNet's current weights."""
-        self.unet.unet.save_pretrained(out_dir / unet_dir, safe_serialization=True)
+        self.unet.denoiser.save_pretrained(out_dir / unet_dir, safe_serialization=True)
         self.controlnet.save_pretrained(out_dir / unet_dir.replace("unet", CONTROLNET_DIR), safe_serialization=True)
 
     def describe(self) -> dict:

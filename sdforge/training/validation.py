@@ -88,8 +88,8 @@ class ValidationHook(Hook):
 
     def start(self, job) -> None:
         if self.every > 0 and job.phase.controlnet is not None:
-            log.warning("train.validation_every: a ControlNet phase's validation images need its held-out "
-                        "conditions, which are not built yet (docs/CONTROL.md); none are sampled")  # fmt: skip
+            log.warning("train.validation_every: a ControlNet phase samples no validation images (each needs a "
+                        "condition); its eval grid draws held-out samples under theirs (docs/CONTROL.md)")  # fmt: skip
             return
         if job.dist.is_main or job.model.sharded:  # a sharded model samples on every rank (its forward is collective)
             self.validator = Validator(self.params, job)

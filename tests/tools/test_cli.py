@@ -17,7 +17,7 @@ from sdforge.config import load_params
 from sdforge.eval.grid import probe_agreement
 from sdforge.eval.sampling import generate, load_pipeline
 from stages import eval_grid
-from tests.fixtures.eval_workspace import make_workspace, write_distilled_phase, write_params
+from tests.fixtures.eval_workspace import make_workspace, write_controlnet_phase, write_distilled_phase, write_params
 from tools.cli import main
 
 PROMPT = "a red circle on a white background"
@@ -204,3 +204,31 @@ def test_export_lora_file_needs_an_unmerged_adapter(project, tmp_path, caplog):
                     str(tmp_path / "sd"))  # fmt: skip
     assert code == 2 and "no unmerged adapter to keep as a LoRA file" in caplog.text
     assert not (tmp_path / "sd").exists()
+
+
+def test_generate_on_a_controlnet_phase_draws_under_each_prompts_control_image(project, tmp_path, capsys, caplog):
+    root, params, ckpt = project
+    phase = tmp_path / "controlnet"
+    write_controlnet_phase(ckpt, phase)
+    rng = np.random.default_rng(0)
+    files = []
+    for i in range(2):
+        edges = ((rng.random((16, 16)) < 0.2) * 255).astype(np.uint8)
+        files.append(tmp_path / f"edges{i}.png")
+        Image.fromarray(edges).save(files[-1])  # greyscale: read as RGB, as the diffusers pipeline reads it
+    prompts = ["--prompt", PROMPT, "--prompt", "a blue square on a black background"]
+    common = ["--checkpoint", str(phase), "--params", str(params), "--device", "cpu", *prompts]
+    controls = ["--control-image", str(files[0]), "--control-image", str(files[1])]
+    assert _run("generate", *common, *controls, "--out", str(tmp_path / "out")) == 0
+    drawn = [np.asarray(Image.open(p).convert("RGB")) for p in capsys.readouterr().out.split()]
+    images = [np.asarray(Image.open(f).convert("RGB")) for f in files]
+    want = generate(load_pipeline(root / "models", phase), [PROMPT, "a blue square on a black background"], steps=3,
+                    guidance_scale=3.0, seeds=[0, 1], control_images=images)  # fmt: skip
+    assert len(drawn) == 2 and all(np.array_equal(a, b) for a, b in zip(drawn, want, strict=True))
+    with caplog.at_level(logging.ERROR):
+        assert _run("generate", *common, "--out", str(tmp_path / "none")) == 2
+        gone = ["--control-image", str(tmp_path / "gone.png")]
+        assert _run("generate", *common, *gone, "--out", str(tmp_path / "x")) == 2
+    assert "needs one conditioning image per image (2); got 0" in caplog.text
+    assert "--control-image: no such file" in caplog.text
+    assert not (tmp_path / "none").exists()
