@@ -64,3 +64,29 @@ def test_the_mmdit_recipe_overlay_is_the_second_runs_and_fits_sd3s_two_clips():
     mmdit.check_text_widths(config, [e["hidden_size"] for e in encoders], [e["projection_dim"] for e in encoders])
     assert {p.phase_objective(n) for n in p.phases} == {"flow_matching"}
     assert (p.phases["phase0"].flow_shift, p.phases["phase1"].flow_shift) == (1.0, 2.0)  # SD3's √(m / 256²)
+
+
+def test_the_controlnet_overlay_trains_the_papers_canny_controlnet_on_the_frozen_phase7_unet():
+    import yaml
+    from diffusers import UNet2DConditionModel
+
+    from model.denoisers import family
+    from sdforge.config import parse_params
+    from tools.tiny_demo import merged
+
+    base, canny, lcm = (yaml.safe_load(open(f"configs/full/{n}.yaml")) for n in ("params", "controlnet", "distill"))
+    p = parse_params(merged(merged(base, canny), lcm))  # beside the optional LCM phase
+    phase = p.phases["phase8_canny"]
+    assert (phase.init_from, phase.controlnet.condition, phase.cfg_dropout, phase.lr) == ("phase7", "canny", 0.5, 1e-5)
+    assert p.conditions.kinds == ["canny"] and p.train.held_out > 0  # its eval grid scores held-out samples
+    assert phase.samples // (phase.batch_size * p.train.nproc_per_node * phase.grad_accum) == 10_000
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**unet_config(p.models.unet.model_dump()))
+        controlled = family("unet").controlled(unet, vae_factor=8, seed=0, scale=1.0)
+    cn = controlled.controlnet
+    added = sum(count_parameters(m) for m in (cn.controlnet_cond_embedding, cn.controlnet_down_blocks,
+                                              cn.controlnet_mid_block))  # fmt: skip
+    copied = sum(count_parameters(m) for m in (unet.conv_in, unet.time_embedding, unet.down_blocks, unet.mid_block))
+    assert count_parameters(cn) - added == copied  # the whole SD 1.5 encoder and middle block, copied
+    assert count_parameters(cn) == 361_279_120  # measured (docs/CONTROL.md)
+    assert "phase8_canny" not in load_params("configs/full/params.yaml").phases  # off by default
