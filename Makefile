@@ -2,6 +2,7 @@
 #
 #   make demo         build the venv if needed, run the whole DVC pipeline, print where the results are
 #   make demo-recaption  the demo + a source captioned with file names, recaptioned (workspace .demo-recaption/)
+#   make demo-controlnet  the demo + a ControlNet phase placing small shapes (workspace .demo-controlnet/)
 #   make demo-mmdit   the demo's whole DAG with a tiny MM-DiT (SD3's backbone) instead of the UNet (.demo-mmdit/)
 #   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
@@ -44,7 +45,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo demo-recaption demo-mmdit preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo demo-recaption demo-controlnet demo-mmdit preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -86,6 +87,11 @@ demo: venv
 # DEMO_RECAPTION_ARGS: e.g. --all (the whole DAG, phase 6 training on the captions)
 demo-recaption: venv
 	$(PY) -m tools.demo_recaption $(DEMO_RECAPTION_ARGS)
+
+# The demo plus a ControlNet phase on small shapes placed anywhere (docs/CONTROL.md); workspace .demo-controlnet/.
+# DEMO_CONTROLNET_ARGS: e.g. --seeds 0,1,2 (the ControlNet phase retrained under each train.seed)
+demo-controlnet: venv
+	HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m tools.demo_controlnet $(DEMO_CONTROLNET_ARGS)
 
 # The demo's DAG, phases 0-8, with the MM-DiT family (docs/MMDIT.md); workspace .demo-mmdit/ (a rerun resumes).
 demo-mmdit: venv

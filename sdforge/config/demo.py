@@ -27,6 +27,17 @@ class DemoWebdump(Section):
     """Images of shown colour/shape/background combinations (never a held-out one nor the concept colour)."""
 
 
+class DemoPlaced(Section):
+    """A demo source whose shapes are small and anywhere on the canvas (``<demo_source>/placed/``): where a shape is
+    drawn is then the condition's to say, which the demo's ControlNet phase learns (``make demo-controlnet``)."""
+
+    images: int = Field(480, ge=1)
+    """Images of shown colour/shape/background combinations (never a held-out one nor the concept colour)."""
+    half_size: tuple[Annotated[float, Field(gt=0, le=0.45)], Annotated[float, Field(gt=0, le=0.45)]] = (0.12, 0.3)
+    """Range of a shape's half-width (fraction of the canvas's shorter side): smaller than the corpus' shapes, so
+    they fit anywhere."""
+
+
 class DemoData(Section):
     """The synthetic captioned corpus: coloured shapes on plain backgrounds."""
 
@@ -60,6 +71,8 @@ class DemoData(Section):
     """A new colour word for the adapter phase; the LAION and DiffusionDB parts never show it (nor the VAE)."""
     webdump: DemoWebdump | None = None
     """A source captioned with file names (recaptioned by the demo captioner); null: none."""
+    placed: DemoPlaced | None = None
+    """A source of small shapes anywhere on the canvas (the ControlNet demo's); null: none."""
 
     @model_validator(mode="after")
     def _concept_is_new(self) -> DemoData:

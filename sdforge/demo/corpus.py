@@ -36,6 +36,7 @@ LAION_FILE = "laion/part-00000.parquet"
 ARCHIVE_PART = "part-000001"
 CONCEPT_DIR = "concept"
 WEBDUMP_DIR = "webdump"
+PLACED_DIR = "placed"
 WEBDUMP_TRUTH = "truth.json"
 """``{file-name caption: the caption it should have}`` beside the webdump images: what the recaptioned captions are
 scored against (no pipeline stage reads it)."""
@@ -271,6 +272,22 @@ def webdump_images(cfg: DemoData, rng: np.random.Generator, folder: Path) -> int
     return cfg.webdump.images
 
 
+def placed_images(cfg: DemoData, rng: np.random.Generator, folder: Path) -> int:
+    """``demo.placed.images`` images of shown combinations, each shape small and anywhere on its canvas
+    (``demo.placed.half_size``; the canvases in turn), as ``NNNNN.png`` + ``NNNNN.txt`` captions (a ``local``
+    source)."""
+    placed = cfg.placed
+    specs = SpecDeck(shown_specs(list(cfg.colours), list(cfg.shapes), list(cfg.backgrounds), cfg.held_out), rng)
+    canvases = CanvasCycle(cfg)
+    for i in range(placed.images):
+        spec = specs.draw()
+        img = render(spec, canvases.next(), cfg.colours[spec.colour], cfg.backgrounds[spec.background], rng,
+                     placed.half_size)  # fmt: skip
+        atomic_write_bytes(folder / f"{i:05d}.png", encode_image(img, ".png"))
+        atomic_write_bytes(folder / f"{i:05d}.txt", spec.caption().encode())
+    return placed.images
+
+
 def build(cfg: DemoData, out_dir: Path) -> dict[str, int]:
     """Write the enabled demo corpus into the (empty) ``out_dir``; return the row counts."""
     rows, counts = laion_rows(cfg, np.random.default_rng([cfg.seed, 0]), out_dir / "http")
@@ -282,4 +299,6 @@ def build(cfg: DemoData, out_dir: Path) -> dict[str, int]:
         counts["concept_images"] = concept_images(cfg, np.random.default_rng([cfg.seed, 2]), out_dir / CONCEPT_DIR)
     if cfg.webdump is not None:
         counts["webdump_images"] = webdump_images(cfg, np.random.default_rng([cfg.seed, 3]), out_dir / WEBDUMP_DIR)
+    if cfg.placed is not None:
+        counts["placed_images"] = placed_images(cfg, np.random.default_rng([cfg.seed, 4]), out_dir / PLACED_DIR)
     return counts
