@@ -10,10 +10,9 @@ import random
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from sdforge.eval.sampling import few_step_settings, load_pipeline
-from tests.fixtures.training import clone_workspace, straight_and_killed, weights
+from tests.fixtures.training import assert_equal_files, check_resumed, clone_workspace, straight_and_killed, weights
 
 LORA = {"type": "lora", "rank": 2, "targets": ["self_attention", "cross_attention", "time_embedding"], "merge": False}
 DISTILL = {"method": "lcm", "num_ddim_timesteps": 5, "w_min": 2.0, "w_max": 4.0, "sampling_steps": 2}
@@ -44,13 +43,9 @@ def runs(tmp_path_factory, straight_phase1):
 
 def test_sigkill_then_resume_gives_bitwise_equal_lora_weights(runs):
     straight, killed, died, resumed = runs
-    why = f"killed at step {KILL_AT} (SDFORGE_KILL_SEED={KILL_SEED} reproduces it)"
-    assert died.returncode == -9 and resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {RESUME_FROM[KILL_AT]} " in resumed.stderr, why
+    why = check_resumed(died, resumed, KILL_AT, RESUME_FROM[KILL_AT], KILL_SEED)
     for sub in ("adapter", "adapter_ema"):
-        a, b = (load_file(root / "checkpoints/phase2" / sub / LORA_FILE) for root in (straight, killed))
-        assert a.keys() == b.keys() and a, sub
-        assert all(torch.equal(a[k], b[k]) for k in a), f"{sub} differs after resume ({why})"
+        a = assert_equal_files((straight, killed), f"checkpoints/phase2/{sub}/{LORA_FILE}", why)
         trained = [v for k, v in a.items() if "lora_B" in k]  # B starts at zero: the distillation moved it
         assert trained and all(float(v.abs().max()) > 0 for v in trained), sub
 
