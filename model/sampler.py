@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from model.denoisers import family_of
+from model.denoisers import family_of, uncropped_sizes
 
 if TYPE_CHECKING:  # annotations only: the schedulers are imported where they are built (see ddim_from_training)
     from diffusers import (
@@ -169,6 +169,7 @@ def sample_latents(
     guidance_scale: float,
     latent_shape: tuple[int, int, int],
     generators: list[torch.Generator],
+    image_px: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Sampling with CFG, ``out = out_u + s·(out_c − out_u)`` on the UNet's output (ε, v or flow velocity), with
     ``scheduler``'s steps (:func:`sampling_scheduler`); returns latents ``[B, C, h, w]``.
@@ -177,7 +178,8 @@ def sample_latents(
     one UNet call per step on ``cond`` alone, ``uncond`` unused (may be None) — as in ``StableDiffusionPipeline``.
     Sample ``i``'s initial noise, and any noise the scheduler draws between steps (LCM), comes from
     ``generators[i]`` on the CPU, so an image depends only on its own seed — not on the device or on which other
-    prompts share its batch.
+    prompts share its batch. ``image_px`` ``(height, width)``: the micro-conditioning of a family that takes it
+    (:func:`model.denoisers.uncropped_sizes`, the SDXL pipeline's default).
     """
     device = next(unet.parameters()).device
     family = family_of(unet)
@@ -188,6 +190,8 @@ def sample_latents(
     latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     cfg = guidance_scale > 1
     context = _context(cond, uncond if cfg else None).to(device=device, dtype=unet.dtype)
+    if image_px is not None:
+        context = family.sized(context, uncropped_sizes(*image_px).to(device))
     # per-row draws on each CPU generator, as the pipeline's randn_tensor makes them (prepare_extra_step_kwargs)
     extra = {"generator": generators} if "generator" in inspect.signature(scheduler.step).parameters else {}
     scheduler.set_timesteps(steps, device=device)

@@ -68,7 +68,7 @@ class TextStack:
         """The regions of the packed tensor ``phases.<p>.caption_dropout`` may drop one by one."""
         widths = [int(e.config.hidden_size) for e in self.encoders]
         pooled = [int(getattr(e.config, "projection_dim", e.config.hidden_size)) for e in self.encoders]
-        return self.family.cond_parts(widths, pooled, self.max_length + 1)
+        return self.family.cond_parts(widths, pooled, self.max_length)
 
 
 def text_part_dirs(family: DenoiserFamily) -> list[tuple[str, str]]:

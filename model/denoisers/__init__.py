@@ -6,15 +6,19 @@ family is one module here and one entry below (docs/ARCHITECTURE.md "The denoise
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
-from model.denoisers.base import CondPart, DenoiserFamily
+from model.denoisers.base import CondPart, DenoiserFamily, uncropped_sizes
 from model.denoisers.mmdit import MMDiTFamily
+from model.denoisers.sdxl import SDXLFamily
 from model.denoisers.unet import UNetFamily
 
-FAMILIES: dict[str, DenoiserFamily] = {f.name: f for f in (UNetFamily(), MMDiTFamily())}
+FAMILIES: dict[str, DenoiserFamily] = {f.name: f for f in (UNetFamily(), MMDiTFamily(), SDXLFamily())}
 
-__all__ = ["FAMILIES", "CondPart", "DenoiserFamily", "family", "family_for_class", "family_of", "unwrap"]
+__all__ = ["FAMILIES", "CondPart", "DenoiserFamily", "family", "family_for_config", "family_of", "uncropped_sizes",
+           "unwrap"]  # fmt: skip
 
 
 def family(name: str) -> DenoiserFamily:
@@ -25,10 +29,11 @@ def family(name: str) -> DenoiserFamily:
         raise ValueError(f"unknown denoiser family {name!r}; known: {sorted(FAMILIES)}") from None
 
 
-def family_for_class(class_name: str) -> DenoiserFamily:
-    """The family of a saved model whose config names ``class_name`` (``_class_name``); ValueError if none."""
+def family_for_config(class_name: str, config: Mapping) -> DenoiserFamily:
+    """The family of a model of diffusers class ``class_name`` (a saved config's ``_class_name``) with ``config``
+    (the unet and sdxl families share a class: SDXL's has ``addition_embed_type: text_time``); ValueError if none."""
     for candidate in FAMILIES.values():
-        if candidate.class_name == class_name:
+        if candidate.owns(class_name, config):
             return candidate
     raise ValueError(f"{class_name!r} is not the model of any denoiser family ({sorted(FAMILIES)})")
 
@@ -49,7 +54,8 @@ def family_of(model: torch.nn.Module) -> DenoiserFamily:
     named = getattr(inner, "denoiser_family", None)
     if isinstance(named, str):
         return family(named)
+    config = getattr(inner, "config", {})
     for cls in type(inner).__mro__:
-        if any(candidate.class_name == cls.__name__ for candidate in FAMILIES.values()):
-            return family_for_class(cls.__name__)
+        if any(candidate.owns(cls.__name__, config) for candidate in FAMILIES.values()):
+            return family_for_config(cls.__name__, config)
     raise ValueError(f"{type(inner).__name__} is not the model of any denoiser family ({sorted(FAMILIES)})")

@@ -1,14 +1,15 @@
 """The denoiser seam: what every stage needs of a model family, in one small interface.
 
-A family (:mod:`model.denoisers.unet`, :mod:`model.denoisers.mmdit`) says how its denoiser is built from a spec,
-which text conditioning it takes and how it is called, its image-size rules, its FLOPs, its LoRA target groups in
-words, and the diffusers pipeline an export writes. Training, eval, export, preflight and the benches call these
-methods and never name a model class: ``tests/test_architecture.py`` holds that no module outside this package
-names ``UNet2DConditionModel`` or ``SD3Transformer2DModel``.
+A family (:mod:`model.denoisers.unet`, :mod:`model.denoisers.mmdit`, :mod:`model.denoisers.sdxl`) says how its
+denoiser is built from a spec, which text conditioning it takes and how it is called, its image-size rules, its
+FLOPs, its LoRA target groups in words, and the diffusers pipeline an export writes. Training, eval, export,
+preflight and the benches call these methods and never name a model class: ``tests/test_architecture.py`` holds
+that no module outside this package names ``UNet2DConditionModel`` or ``SD3Transformer2DModel``.
 
 **The conditioning tensor.** Whatever text conditioning a family takes travels as one tensor ``[B, L, D]`` whose
 layout only the family reads (:meth:`DenoiserFamily.predict` unpacks it). The UNet's is CLIP's last hidden state;
-the MM-DiT's packs its two encoders' sequences side by side and the pooled vector as one extra row. So CFG dropout,
+the MM-DiT's packs its two encoders' sequences side by side and the pooled vector as one extra row; SDXL's adds
+one more row for each image's size and crop (:meth:`DenoiserFamily.sized`). So CFG dropout,
 the empty prompt's embedding, classifier-free guidance's ``[uncond; cond]`` batch, validation and distillation
 handle every family alike; per-encoder caption dropout replaces the regions :meth:`DenoiserFamily.cond_parts`
 names.
@@ -17,6 +18,7 @@ names.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +42,8 @@ class DenoiserFamily(ABC):
     """The diffusers model class's name, as a saved folder's ``config.json`` records it (``_class_name``)."""
     spec_key: str
     """The ``models.<key>`` section holding this family's architecture (``unet``, ``mmdit``)."""
-    text_encoder_class: str
-    """The transformers class of every text encoder (``CLIPTextModel``, ``CLIPTextModelWithProjection``)."""
+    text_encoder_classes: tuple[str, ...]
+    """The transformers class of each text encoder, in order (``CLIPTextModel``, ``CLIPTextModelWithProjection``)."""
     text_encoders: int
     """How many text encoders (and tokenizers) condition it: ``text_encoder``, ``text_encoder_2``, …"""
     lora_groups: dict[str, tuple[str, ...]]
@@ -55,7 +57,15 @@ class DenoiserFamily(ABC):
     """Flow matching samples with diffusers' ``FlowMatchEulerDiscreteScheduler`` (its pipeline runs it); else with
     the flow-sigma DPM-Solver that ``StableDiffusionPipeline`` can run (:func:`model.sampler.flow_euler_scheduler`)."""
 
+    micro_conditioning: bool = False
+    """It takes each image's size and crop (SDXL's ``time_ids``): the trainer reads them per sample from the latent
+    manifest and the sampler makes them from the image size; :meth:`sized` writes them into the conditioning."""
+
     # ------------------------------------------------------------------------------------------ the model
+    def owns(self, class_name: str, config: Mapping) -> bool:
+        """Whether a saved or built model of diffusers class ``class_name`` with ``config`` is this family's."""
+        return class_name == self.class_name
+
     @abstractmethod
     def model_class(self) -> type:
         """The diffusers model class (``from_pretrained``/``save_pretrained``)."""
@@ -83,8 +93,9 @@ class DenoiserFamily(ABC):
     def encode_text(self, encoders: list, ids: list[torch.Tensor]) -> torch.Tensor:
         """The packed conditioning ``[B, L, D]`` from each encoder's token ids ``[B, L]``."""
 
-    def cond_parts(self, widths: list[int], pooled_widths: list[int], rows: int) -> list[CondPart]:
-        """The regions caption dropout may drop one by one (none: only the whole prompt)."""
+    def cond_parts(self, widths: list[int], pooled_widths: list[int], tokens: int) -> list[CondPart]:
+        """The regions caption dropout may drop one by one (none: only the whole prompt), for ``tokens`` text
+        tokens."""
         return []
 
     @abstractmethod
@@ -93,6 +104,11 @@ class DenoiserFamily(ABC):
         widths do not fit the denoiser ``config``."""
 
     # ------------------------------------------------------------------------------------------ sizes
+    def sized(self, cond: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
+        """``cond`` with each image's micro-conditioning ``sizes`` ``[B|1, 6]`` (original h, w, crop top, left,
+        target h, w in px) written in; ``cond`` itself for a family without :attr:`micro_conditioning`."""
+        return cond
+
     @abstractmethod
     def latent_channels(self, model: torch.nn.Module) -> int:
         """Channels of the latents it denoises."""
@@ -153,3 +169,8 @@ class DenoiserFamily(ABC):
         """The diffusers pipeline an export writes, from its parts (``from_pretrained`` of the folder draws what
         ``sdforge generate`` draws)."""
 
+
+def uncropped_sizes(height: int, width: int) -> torch.Tensor:
+    """``[1, 6]`` micro-conditioning of an uncropped ``height × width`` image drawn at its own size (what diffusers'
+    SDXL pipeline uses by default): original = target = ``(height, width)``, crop ``(0, 0)``."""
+    return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32)

@@ -49,7 +49,7 @@ class MMDiTFamily(DenoiserFamily):
     name = "mmdit"
     class_name = "SD3Transformer2DModel"
     spec_key = "mmdit"
-    text_encoder_class = "CLIPTextModelWithProjection"
+    text_encoder_classes = ("CLIPTextModelWithProjection", "CLIPTextModelWithProjection")
     text_encoders = 2
     lora_groups = MMDIT_GROUPS
     objectives = ("flow_matching",)
@@ -95,7 +95,8 @@ class MMDiTFamily(DenoiserFamily):
             sequences.append(out.hidden_states[-2])
         return pack(torch.cat(sequences, dim=-1), torch.cat(pooled, dim=-1))
 
-    def cond_parts(self, widths: list[int], pooled_widths: list[int], rows: int) -> list[CondPart]:
+    def cond_parts(self, widths: list[int], pooled_widths: list[int], tokens: int) -> list[CondPart]:
+        rows = tokens + 1
         names = ["text_encoder", *(f"text_encoder_{i + 1}" for i in range(1, len(widths)))]
         starts = [sum(widths[:i]) for i in range(len(widths))]
         spans = zip(names, starts, widths, strict=True)

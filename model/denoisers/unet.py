@@ -116,12 +116,15 @@ class UNetFamily(DenoiserFamily):
     name = "unet"
     class_name = "UNet2DConditionModel"
     spec_key = "unet"
-    text_encoder_class = "CLIPTextModel"
+    text_encoder_classes = ("CLIPTextModel",)
     text_encoders = 1
     lora_groups = UNET_GROUPS
     objectives = ("diffusion", "flow_matching")
     shard_blocks = ("ResnetBlock2D", "Transformer2DModel")
     flow_euler = False
+
+    def owns(self, class_name: str, config) -> bool:
+        return class_name == self.class_name and config.get("addition_embed_type") != "text_time"  # text_time: sdxl
 
     def model_class(self) -> type:
         from diffusers import UNet2DConditionModel  # lazy: diffusers costs 4-6 s to import (output_projections)

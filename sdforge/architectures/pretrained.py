@@ -58,9 +58,9 @@ def load_pretrained_text(
     """Full scale: the family's CLIP text encoders and tokenizers (``models.text_encoder``, ``text_encoder_2``) via
     ``from_pretrained``; with ``missing_weights: random``, seeded random stand-ins for those not on this machine."""
     local_only = models.missing_weights == "random"
-    encoder_class = getattr(transformers, denoiser_family.text_encoder_class)
     tokenizers, encoders = [], []
     for i, (encoder_dir, tokenizer_dir) in enumerate(text_part_dirs(denoiser_family)):
+        encoder_class = getattr(transformers, denoiser_family.text_encoder_classes[i])
         hub_id = getattr(models, encoder_dir)
         encoder = _from_pretrained(encoder_class.from_pretrained, encoder_dir, hub_id, local_only)
         metrics[f"{encoder_dir}_weights"] = "random" if encoder is None else "pretrained"

@@ -76,6 +76,42 @@ class UNetSpec(Section):
         return self
 
 
+class SDXLSpec(Section):
+    """The keys of SDXL's UNet config this project sets (``models.denoiser.family: sdxl``, ``model/denoisers/sdxl.py``;
+    ``addition_embed_type`` is ``text_time``). The defaults are ``stabilityai/stable-diffusion-xl-base-1.0``'s UNet
+    (2,567,463,684 parameters)."""
+
+    sample_size: int = 128
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: list[int] = [320, 640, 1280]
+    layers_per_block: int = 2
+    down_block_types: list[str] = ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"]
+    up_block_types: list[str] = ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]
+    cross_attention_dim: int = 2048
+    """The two encoders' penultimate hidden states side by side (CLIP-L 768 + bigG 1280)."""
+    attention_head_dim: list[int] = [5, 10, 20]
+    """Per block: diffusers' name for SDXL's head counts (each head is 64 wide)."""
+    transformer_layers_per_block: list[int] = [1, 2, 10]
+    norm_num_groups: int = 32
+    use_linear_projection: bool = True
+    addition_time_embed_dim: int = Field(256, ge=1)
+    """Width of each of the six micro-conditioning numbers' sinusoidal embeddings."""
+    projection_class_embeddings_input_dim: int = Field(2816, ge=1)
+    """bigG's pooled projection (1280) + 6 × ``addition_time_embed_dim``."""
+
+    @model_validator(mode="after")
+    def _block_lists_match(self) -> SDXLSpec:
+        n = len(self.block_out_channels)
+        lists = {"down_block_types": self.down_block_types, "up_block_types": self.up_block_types,
+                 "attention_head_dim": self.attention_head_dim,
+                 "transformer_layers_per_block": self.transformer_layers_per_block}  # fmt: skip
+        wrong = {k: len(v) for k, v in lists.items() if len(v) != n}
+        if wrong:
+            raise ValueError(f"{wrong} must each have one entry per block_out_channels ({n})")
+        return self
+
+
 MMDIT_PRESETS: dict[str, dict] = {
     "1.2b": {"num_layers": 19, "attention_head_dim": 64, "num_attention_heads": 19, "caption_projection_dim": 1216},
     "2b": {"num_layers": 24, "attention_head_dim": 64, "num_attention_heads": 24, "caption_projection_dim": 1536},
@@ -119,7 +155,7 @@ class MMDiTSpec(Section):
 class Denoiser(Section):
     """Which model family denoises (``model/denoisers/``); its architecture is ``models.<family>``."""
 
-    family: Literal["unet", "mmdit"] = "unet"
+    family: Literal["unet", "mmdit", "sdxl"] = "unet"
 
 
 class NoiseSchedule(Section):
@@ -195,6 +231,7 @@ class Models(Section):
     denoiser: Denoiser = Denoiser()
     unet: UNetSpec = UNetSpec()
     mmdit: MMDiTSpec = MMDiTSpec()
+    sdxl: SDXLSpec = SDXLSpec()
     noise: NoiseSchedule = NoiseSchedule()
     captioner_build: CaptionerBuild | None = None
     """Train the demo captioner into ``paths.models``/captioner (null: none is built)."""

@@ -298,7 +298,8 @@ def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
 
-FAMILY_OBJECTIVES = {"unet": ("diffusion", "flow_matching"), "mmdit": ("flow_matching",)}
+FAMILY_OBJECTIVES = {"unet": ("diffusion", "flow_matching"), "mmdit": ("flow_matching",),
+                     "sdxl": ("diffusion", "flow_matching")}  # fmt: skip
 """The objectives each ``models.denoiser.family`` trains (the families' ``objectives``; a test holds them equal)."""
 FAMILY_LACKS = {
     "unet": {},
@@ -308,6 +309,14 @@ FAMILY_LACKS = {
         "distill": "consistency distillation is not supported for the mmdit family yet — remove it",
         "controlnet": "its ControlNet (diffusers' SD3ControlNetModel) is not built yet — remove it, or train the "
         "ControlNet on a unet-family phase",
+    },
+    "sdxl": {
+        "adapter.words": "learned words are written into one text encoder's rows; the sdxl family has two, which "
+        "this version does not support — leave it [] (adapter.text_encoders trains a LoRA on both instead)",
+        "distill": "consistency distillation is not supported for the sdxl family yet (its teacher solve does not "
+        "carry the images' sizes) — remove it",
+        "controlnet": "its ControlNet (SDXL's, with the sizes in its added conditions) is not built yet — remove "
+        "it, or train the ControlNet on a unet-family phase",
     },
 }
 """Phase capabilities a family does not have yet, with what to do."""

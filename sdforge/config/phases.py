@@ -10,7 +10,7 @@ from sdforge.config.base import SCRATCH, Effect, SafeName, Section
 
 AdapterTarget = Literal[
     "self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding", "pooled_text",
-    "attention", "context_attention", "context_feed_forward", "modulation",
+    "attention", "context_attention", "context_feed_forward", "modulation", "added_conditions",
 ]
 ADAPTER_TARGETS = get_args(AdapterTarget)
 """Layer groups an adapter may target; their module names are each family's ``lora_groups`` (``model/denoisers/``)."""
@@ -18,9 +18,12 @@ FAMILY_ADAPTER_TARGETS = {
     "unet": ("self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding",
              "pooled_text"),
     "mmdit": ("attention", "context_attention", "feed_forward", "context_feed_forward", "modulation"),
+    "sdxl": ("self_attention", "cross_attention", "feed_forward", "resnet_conv", "proj", "time_embedding",
+             "added_conditions"),
 }  # fmt: skip
 """The groups of each ``models.denoiser.family`` (a test holds them equal to the families' ``lora_groups``)."""
-FAMILY_CAPTION_PARTS = {"unet": (), "mmdit": ("text_encoder", "text_encoder_2", "pooled")}
+FAMILY_CAPTION_PARTS = {"unet": (), "mmdit": ("text_encoder", "text_encoder_2", "pooled"),
+                        "sdxl": ("text_encoder", "text_encoder_2", "pooled")}  # fmt: skip
 """The conditioning parts ``phases.<p>.caption_dropout`` may name, per family (the families' ``cond_parts``)."""
 
 

@@ -169,9 +169,10 @@ def build_demo_text_encoders(
     words = demo_words(demo, eval_)
     tokenizers, encoders = [], []
     builds = models.text_encoder_builds()[: family.text_encoders]
-    for (tb, seed), (_, tokenizer_dir) in zip(builds, text_part_dirs(family), strict=True):
+    parts = zip(builds, text_part_dirs(family), family.text_encoder_classes, strict=True)
+    for (tb, seed), (_, tokenizer_dir), class_name in parts:
         tokenizer = write_demo_tokenizer(words, out / tokenizer_dir, tb.max_position_embeddings)
-        projection = family.text_encoder_class != "CLIPTextModel"
+        projection = class_name != "CLIPTextModel"
         encoders.append(_tiny_encoder(tokenizer, tb, seed, with_projection=projection))
         tokenizers.append(tokenizer)
     return tokenizers, encoders, len(words)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from model.denoisers import DenoiserFamily, family_for_class, family_of
+from model.denoisers import DenoiserFamily, family_for_config, family_of
 from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
 from model.sampler import (
     decode_to_uint8,
@@ -144,11 +144,11 @@ def unmerged_adapter(checkpoint_dir: Path, use_ema: bool) -> Path | None:
 
 
 def saved_family(folder: Path) -> DenoiserFamily:
-    """The denoiser family of a saved model folder, from its ``config.json``'s ``_class_name``; an InputError naming
-    the folder when it is none of the families'."""
+    """The denoiser family of a saved model folder, from its ``config.json`` (``_class_name`` and keys); an
+    InputError naming the folder when it is none of the families'."""
     try:
-        class_name = json.loads((folder / "config.json").read_text()).get("_class_name", "")
-        return family_for_class(class_name)
+        config = json.loads((folder / "config.json").read_text())
+        return family_for_config(config.get("_class_name", ""), config)
     except (OSError, ValueError, AttributeError) as err:
         raise InputError(f"{folder}: not a denoiser this project trains ({load_failure(err)})") from None
 
@@ -182,10 +182,10 @@ def load_pipeline(
     dev = pick_device(device)
     state = checkpoint_state(checkpoint_dir)
     unet, adapter = _load_denoiser(checkpoint_dir, weights, use_ema, fuse_adapter, denoiser_family)
-    encoder_class = getattr(transformers, denoiser_family.text_encoder_class)
     encoders, tokenizers = [], []
-    for encoder_dir, tokenizer_dir in text_part_dirs(denoiser_family):
-        encoders.append(_load(encoder_class, models_dir / encoder_dir, reprepare).to(dev).eval())
+    parts = zip(denoiser_family.text_encoder_classes, text_part_dirs(denoiser_family), strict=True)
+    for class_name, (encoder_dir, tokenizer_dir) in parts:
+        encoders.append(_load(getattr(transformers, class_name), models_dir / encoder_dir, reprepare).to(dev).eval())
         tokenizers.append(_load(CLIPTokenizer, models_dir / tokenizer_dir, reprepare, weights=False))
     words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
     if words.is_file():
@@ -290,19 +290,22 @@ def generate(
     (as in ``StableDiffusionPipeline``)."""
     scheduler = pipe.scheduler()
     shape = latent_shape_for(pipe.unet, pipe.vae, width=width, height=height)
+    image_px = (shape[1] * vae_factor(pipe.vae), shape[2] * vae_factor(pipe.vae))
     controls = control_tensors(pipe, control_images, len(prompts), shape)
-    uncond = pipe.text.encode_prompts([negative_prompt]) if guidance_scale > 1 else None
     images: list[np.ndarray] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         cond = pipe.text.encode_prompts(chunk)
+        # the negative prompt once per image, in one batch, as the pipelines encode it: a batch of 1 rounds the
+        # encoder's matmuls differently (~1e-6 in SDXL's latents)
+        uncond = pipe.text.encode_prompts([negative_prompt] * len(chunk)) if guidance_scale > 1 else None
         gens = [torch.Generator().manual_seed(s) for s in seeds[start : start + batch_size]]
         control = contextlib.nullcontext()
         if controls is not None:
             control = pipe.unet.conditioned(controls[start : start + batch_size].to(cond.device))
         with control:
             latents = sample_latents(pipe.unet, scheduler, cond, uncond, steps=steps, guidance_scale=guidance_scale,
-                                     latent_shape=shape, generators=gens)  # fmt: skip
+                                     latent_shape=shape, generators=gens, image_px=image_px)  # fmt: skip
         images.extend(decode_to_uint8(pipe.vae, latents).numpy())
     return images
 

@@ -127,6 +127,10 @@ class LatentIndexDataset:
     def row(self) -> np.ndarray:
         return self._row
 
+    def file_rows(self, sid: int) -> int:
+        """How many samples shard file ``sid`` (a position in :attr:`shard_keys`) holds."""
+        return len(self._shards[sid])
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The shard file (an index into :attr:`shard_keys`) and row of each sample at index ``positions``."""
         positions = np.asarray(positions)

@@ -80,11 +80,11 @@ def load_text_stack(models: Path, family: DenoiserFamily, device: torch.device, 
     """The family's tokenizers and text encoders from ``models`` (on ``device``, eval mode, no gradients; bf16 only
     on CUDA when ``dtype_name`` asks)."""
     dtype = torch.bfloat16 if device.type == "cuda" and dtype_name == "bf16" else torch.float32
-    encoder_class = getattr(transformers, family.text_encoder_class)
     tokenizers, encoders = [], []
-    for encoder_dir, tokenizer_dir in text_part_dirs(family):
+    parts = zip(family.text_encoder_classes, text_part_dirs(family), strict=True)
+    for class_name, (encoder_dir, tokenizer_dir) in parts:
         tokenizers.append(CLIPTokenizer.from_pretrained(models / tokenizer_dir))
-        encoder = encoder_class.from_pretrained(models / encoder_dir)
+        encoder = getattr(transformers, class_name).from_pretrained(models / encoder_dir)
         encoder.to(device, dtype=dtype).eval()
         encoder.requires_grad_(False)
         encoders.append(encoder)

@@ -18,6 +18,7 @@ from sdforge.config import Params
 from sdforge.control.reader import condition_reader
 from sdforge.io import InputError
 from sdforge.latents.loader import LatentIndexDataset, caption_choice
+from sdforge.latents.sizes import size_reader
 from sdforge.training.conditioning import Conditioning, set_kernel_policy
 from sdforge.training.distributed import Dist
 from sdforge.training.memory_plan import (
@@ -96,6 +97,9 @@ class TrainJob(JobEvents):
                                          tuple(largest[-2:]) if largest else None, vae_factor(self.data))  # fmt: skip
         self.controls = condition_reader(params, phase_name, self.data)
         """A ControlNet phase's conditioning images, read beside the latents (None for any other phase)."""
+        self.sizes = size_reader(self.family.micro_conditioning, self.data, Path(paths.latents),
+                                 params.phase_resolution(phase_name))  # fmt: skip
+        """Each sample's size and crop for a family with micro-conditioning (None for the others)."""
         self.memory: MemoryPlan | None = None
         self.attention = attention_backends(self._attention_choice(dist), dist.device)
         where = f"phases.{phase_name}.optimizer"
@@ -105,9 +109,11 @@ class TrainJob(JobEvents):
         self.static: StaticStep | None = static_step(self)
         """``train.cuda_graphs: step``'s buffers and graphs (None: the eager step)."""
 
-    def control_metrics(self) -> dict:
-        """A ControlNet phase's samples that trained under an empty map (no condition was made for them)."""
-        return {} if self.controls is None else {"controlnet.missing_conditions": self.controls.missing}
+    def side_input_metrics(self) -> dict:
+        """A ControlNet phase's samples that trained under an empty map (no condition was made for them); a
+        micro-conditioned family's samples and how many had a known original size."""
+        control = {} if self.controls is None else {"controlnet.missing_conditions": self.controls.missing}
+        return {**control, **({} if self.sizes is None else self.sizes.metrics())}
 
     def release_training_memory(self) -> None:
         """Free what only training needs — the optimizer's moments, the gradients, a static step's buffers and

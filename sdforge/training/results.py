@@ -49,7 +49,7 @@ def phase_metrics(job, resumed_at: int, elapsed: float) -> dict:
     metrics.update(resolution=params.phase_resolution(job.phase_name), objective=job.objective, **plan.bucket_counts)
     metrics.update(job.model.parameter_counts())
     metrics.update(job.memory_metrics())
-    metrics.update(job.control_metrics())
+    metrics.update(job.side_input_metrics())
     if job.cfg.compile != "off":
         metrics["compile.seconds"] = round(compile_seconds(), 2)  # this process's compile wall time
     return metrics

@@ -114,10 +114,11 @@ class StaticStep:
         self.optimizer_call = GraphedCall(body, graphs, self._check_gradients, "optimizer")
         self.lr_ready = False
 
-    def micro_step(self, job, latents, input_ids, seeds, scale: float, sync: bool, control=None) -> torch.Tensor:
+    def micro_step(self, job, latents, input_ids, seeds, scale: float, sync: bool, control=None,
+                   sizes=None) -> torch.Tensor:  # fmt: skip
         """:func:`~sdforge.training.step.micro_step` through this shape's buffers and call; each sample's loss
         (a copy: the buffer is the next replay's)."""
-        host = draw_micro(job, latents, input_ids, part_generators(seeds), control)
+        host = draw_micro(job, latents, input_ids, part_generators(seeds), control, sizes)
         key = (*(tuple(t.shape) for t in host.tensors()), sync)
         if key not in self.buffers:
             self._add_shape(job, key, host, scale, sync)

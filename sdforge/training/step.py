@@ -67,6 +67,9 @@ class StepReport:
         return np.concatenate([positions for positions, _ in self.micro])
 
 
+MaybeTensor = torch.Tensor | None
+
+
 class EpochReader:
     """This rank's micro-batches of ``epoch`` in plan order, read from the job's progress in it onward."""
 
@@ -76,14 +79,15 @@ class EpochReader:
         self.steps = len(self.batches) // job.plan.split.accum
         start = job.state.progress.batch * job.plan.split.accum
         self._reader = iter_batches(job.data, self.batches, start, self.captions)
-        self._controls = job.controls
+        self._controls, self._sizes = job.controls, job.sizes
 
-    def next_micro_batch(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The next micro-batch: its index positions, latents, token ids and (a ControlNet phase's) conditioning
-        images."""
+    def next_micro_batch(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, MaybeTensor, MaybeTensor]:
+        """The next micro-batch: its index positions, latents, token ids, (a ControlNet phase's) conditioning
+        images and (a family with micro-conditioning's) image sizes."""
         b, latents, input_ids = next(self._reader)
         control = None if self._controls is None else self._controls.gather(self.batches[b])
-        return self.batches[b], latents, input_ids, control
+        sizes = None if self._sizes is None else self._sizes.gather(self.batches[b])
+        return self.batches[b], latents, input_ids, control, sizes
 
 
 def train_step(job, reader: EpochReader) -> StepReport:
@@ -98,12 +102,12 @@ def train_step(job, reader: EpochReader) -> StepReport:
     t0, data_wait, positions, losses = time.perf_counter(), 0.0, [], []
     for k in range(split.accum):
         t = time.perf_counter()
-        batch_positions, latents, input_ids, control = reader.next_micro_batch()
+        batch_positions, latents, input_ids, control, sizes = reader.next_micro_batch()
         data_wait += time.perf_counter() - t
         last = k == split.accum - 1
         micro = job.static.micro_step if job.static is not None else micro_step
         losses.append(micro(job, latents, input_ids, seeds[split.part(k, rank)], 1.0 / split.accum, sync=last,
-                            control=control))  # fmt: skip
+                            control=control, sizes=sizes))  # fmt: skip
         positions.append(batch_positions)
     state.progress.step += 1
     grad_norm = optimizer_step(job, state.progress.step)
@@ -153,24 +157,28 @@ class MicroBatch:
     """The loss's noise, level and ξ; None for a distillation phase (its draws are the teacher step's own)."""
     control: torch.Tensor | None = None
     """A ControlNet phase's conditioning images ``[B, 3, H, W]`` (None for any other phase)."""
+    sizes: torch.Tensor | None = None
+    """``[B, 6]`` each image's size and crop, for a family with micro-conditioning (SDXL's ``time_ids``)."""
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor, in a fixed order (a static buffer is copied into tensor by tensor)."""
         loss = [] if self.draws is None else [self.draws.noise, self.draws.level]
         xi = [] if self.draws is None or self.draws.xi is None else [self.draws.xi]
-        control = [] if self.control is None else [self.control]
-        return [self.latents, self.input_ids, self.drop, self.part_drop, *loss, *xi, *control]
+        side = [t for t in (self.control, self.sizes) if t is not None]
+        return [self.latents, self.input_ids, self.drop, self.part_drop, *loss, *xi, *side]
 
     def to(self, device: torch.device) -> MicroBatch:
         """The micro-batch on ``device`` (:func:`~model.diffusion.to_device`: no host synchronisation)."""
         draws = None if self.draws is None else self.draws.to(device)
-        control = None if self.control is None else to_device(self.control, device)
+        control, sizes = (None if t is None else to_device(t, device) for t in (self.control, self.sizes))
         return MicroBatch(to_device(self.latents, device), to_device(self.input_ids, device),
-                          to_device(self.drop, device), to_device(self.part_drop, device), draws, control)  # fmt: skip
+                          to_device(self.drop, device), to_device(self.part_drop, device), draws, control,
+                          sizes)  # fmt: skip
 
 
-def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens, control=None) -> MicroBatch:
-    """The micro-batch (``control``: a ControlNet phase's conditioning images) with its draws from the per-sample
+def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens, control=None, sizes=None) -> MicroBatch:
+    """The micro-batch (``control``: a ControlNet phase's conditioning images; ``sizes``: the images' sizes for a
+    family with micro-conditioning) with its draws from the per-sample
     streams ``gens``, in this order per sample: the CFG drop, each caption part's drop, then the loss's noise, level
     and ξ (:func:`phase_draws`; none for distillation)."""
     batch = latents.shape[0]
@@ -179,16 +187,16 @@ def draw_micro(job, latents: torch.Tensor, input_ids: torch.Tensor, gens, contro
     draws = None
     if job.phase.distill is None:
         draws = phase_draws(job.phase, job.objective, job.conditioning.scheduler, tuple(latents.shape), gens)
-    return MicroBatch(latents, input_ids, drop, part_drop, draws, control)
+    return MicroBatch(latents, input_ids, drop, part_drop, draws, control, sizes)
 
 
 def micro_step(job, latents: torch.Tensor, input_ids: torch.Tensor, seeds: torch.Tensor, scale: float, sync: bool,
-               control: torch.Tensor | None = None):  # fmt: skip
+               control: torch.Tensor | None = None, sizes: torch.Tensor | None = None):  # fmt: skip
     """Forward + backward one micro-batch (sample ``i``'s randomness from ``seeds[i]``; ``control``: a ControlNet
     phase's conditioning images); each sample's loss, fp32, detached, on the device (read once per step by
     :func:`train_step`)."""
     gens = part_generators(seeds)
-    batch = draw_micro(job, latents, input_ids, gens, control).to(job.dist.device)
+    batch = draw_micro(job, latents, input_ids, gens, control, sizes).to(job.dist.device)
     return micro_loss(job, batch, scale, sync, gens)
 
 
@@ -213,11 +221,13 @@ def micro_loss(job, batch: MicroBatch, scale: float, sync: bool, gens=None, cast
 
 
 def condition(job, batch: MicroBatch) -> torch.Tensor:
-    """The micro-batch's text conditioning with its CFG and caption-part drops applied (device work only)."""
+    """The micro-batch's text conditioning with its CFG and caption-part drops applied, then its images' sizes
+    written in (a family with micro-conditioning: a dropped prompt keeps them; device work only)."""
     uncond = job.conditioning.uncond
     cond = job.conditioning.encode(batch.input_ids)
     regions = caption_regions(list(job.caption_parts), tuple(cond.shape[1:]), cond.device)
-    return dropped_condition(cond, uncond, batch.drop, batch.part_drop, regions)
+    cond = dropped_condition(cond, uncond, batch.drop, batch.part_drop, regions)
+    return cond if batch.sizes is None else job.family.sized(cond, batch.sizes)
 
 
 _REGIONS: dict[str, torch.Tensor] = {}

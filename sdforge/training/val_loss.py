@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from model.denoisers import family
 from model.held_out_loss import fixed_fractions, held_out_losses
 from model.precision import uses_bf16_autocast
 from model.speed import attention_context
@@ -31,6 +32,7 @@ from sdforge.config import Params
 from sdforge.control.reader import ConditionReader, condition_reader
 from sdforge.io import held_out_path
 from sdforge.latents.loader import LatentIndexDataset
+from sdforge.latents.sizes import SizeReader, size_reader
 from sdforge.training.conditioning import Conditioning
 from sdforge.training.hooks import Hook
 from sdforge.training.sharded_state import shard_like
@@ -47,10 +49,12 @@ class HeldOutLoss:
     """The held-out samples of one phase, in fixed batches (one bucket each) with their fixed noise."""
 
     def __init__(self, data: LatentIndexDataset, keys: list[str], seed: int, points: int, batch_size: int,
-                 controls: ConditionReader | None = None):  # fmt: skip
+                 controls: ConditionReader | None = None, sizes: SizeReader | None = None):  # fmt: skip
         self.data, self.fractions = data, fixed_fractions(points)
         self.controls = controls
         """A ControlNet phase's held-out conditioning images: each sample's loss is measured under its own."""
+        self.sizes = sizes
+        """A micro-conditioned family's held-out image sizes: each sample's loss is measured under its own."""
         self.batches: list[np.ndarray] = []
         for bucket in range(len(data.buckets)):
             positions = np.flatnonzero(data.sample_bucket == bucket)
@@ -76,8 +80,10 @@ class HeldOutLoss:
             return None
         data = LatentIndexDataset(path, Path(params.paths.latents), params.phase_resolution(phase_name))
         cfg = params.train
+        sizes = size_reader(family(params.models.denoiser.family).micro_conditioning, data,
+                            Path(params.paths.latents), params.phase_resolution(phase_name))  # fmt: skip
         return cls(data, keys, cfg.seed, cfg.val_loss_timesteps, cfg.val_loss_batch,
-                   condition_reader(params, phase_name, data))  # fmt: skip
+                   condition_reader(params, phase_name, data), sizes)  # fmt: skip
 
     def measure(self, job, weights: list[torch.Tensor] | None = None) -> dict[str, float]:
         """``val_loss``, ``val_loss.<source>`` and ``val_loss.t<fraction>`` of the job's EMA weights, or of
@@ -111,6 +117,8 @@ class HeldOutLoss:
         latents, input_ids = self.data.gather(self.batches[b])
         dev = conditioning.device
         cond = conditioning.encode(input_ids)
+        if self.sizes is not None:
+            cond = conditioning.text.family.sized(cond, self.sizes.gather(self.batches[b]).to(dev))
         control = contextlib.nullcontext()
         if self.controls is not None:
             control = unet.conditioned(self.controls.gather(self.batches[b]).to(dev))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
-from model.denoisers import FAMILIES, family, family_for_class, family_of
+from model.denoisers import FAMILIES, family, family_for_config, family_of
 from model.denoisers.mmdit import pack, unpack
 from model.diffusion import part_dropout
 from model.text_stack import TextStack
@@ -41,7 +41,7 @@ def test_a_built_mmdit_is_seeded_and_starts_at_zero_output():
     cond = torch.randn(2, 17, 64)
     out = MMDIT.predict(a, torch.randn(2, 4, 8, 8), torch.tensor([100.0, 900.0]), cond)
     assert out.shape == (2, 4, 8, 8) and torch.count_nonzero(out) == 0  # adaLN-Zero: every block the identity
-    assert family_of(a) is MMDIT and family_for_class("SD3Transformer2DModel") is MMDIT
+    assert family_of(a) is MMDIT and family_for_config("SD3Transformer2DModel", {}) is MMDIT
 
 
 def test_spec_and_text_width_errors_name_the_key():
@@ -105,4 +105,4 @@ def test_flops_grow_with_the_image_tokens_and_every_family_is_registered():
     config = MMDIT.config(TRAIN_MMDIT)
     small, large = MMDIT.flops_per_sample(config, 8, 17, 64), MMDIT.flops_per_sample(config, 16, 17, 64)
     assert 3.0 < large / small < 5.0  # 16 → 64 image tokens (+16 text): the linear layers dominate at this size
-    assert sorted(FAMILIES) == ["mmdit", "unet"]
+    assert sorted(FAMILIES) == ["mmdit", "sdxl", "unet"]

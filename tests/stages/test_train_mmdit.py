@@ -15,7 +15,14 @@ import yaml
 
 from sdforge.eval.export import export_pipeline
 from sdforge.eval.sampling import generate, load_pipeline
-from tests.fixtures.training import DDP_MAX_ABS_DIFF, build_workspace, train, untrained_clone, weights
+from tests.fixtures.training import (
+    DDP_MAX_ABS_DIFF,
+    assert_kill_resume_matches,
+    build_workspace,
+    train,
+    untrained_clone,
+    weights,
+)
 
 KILL_AT = 4
 PROMPTS = ["a red circle on a white background", "a green square on a black background"]
@@ -45,15 +52,7 @@ def test_the_scratch_denoiser_is_an_mm_dit_and_training_moves_it(straight):
 
 
 def test_sigkill_then_resume_is_bit_identical(straight, tmp_path):
-    params = untrained_clone(straight, tmp_path)
-    died = train(params, "phase1", kill_at=KILL_AT)
-    assert died.returncode != 0
-    resumed = train(params, "phase1")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for sub in ("unet", "unet_ema"):
-        a, b = weights(straight, "phase1", sub), weights(tmp_path, "phase1", sub)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
-    assert json.loads((tmp_path / "metrics/train/phase1.json").read_text())["resumed_at_step"] == KILL_AT
+    assert_kill_resume_matches(straight, tmp_path, "phase1", KILL_AT)
 
 
 def test_two_ranks_train_like_one_process_with_double_batch(straight, tmp_path):

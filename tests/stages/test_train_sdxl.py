@@ -1,0 +1,158 @@
+"""The SDXL family through the stages (issue 60): a tiny SDXL-architecture workspace trains on each sample's size and
+crop (read from the latent manifest), resumes bit-identically after a SIGKILL, exports a folder that
+``StableDiffusionXLPipeline`` samples pixel for pixel like ``sdforge generate``, and trains a UNet attention LoRA
+whose file ``load_lora_weights`` reads and draws our pixels exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from model.denoisers import family
+from model.diffusion import LossDraws
+from sdforge.config import ConfigError, load_params
+from sdforge.eval.export import export_pipeline
+from sdforge.eval.sampling import generate, load_pipeline
+from sdforge.io import InputError
+from sdforge.latents.loader import LatentIndexDataset
+from sdforge.latents.sizes import SizeReader
+from sdforge.training.step import MicroBatch, condition
+from tests.fixtures.training import (
+    SAMPLES,
+    assert_kill_resume_matches,
+    build_workspace,
+    train,
+    untrained_clone,
+    weights,
+)
+
+KILL_AT = 4
+PROMPTS = ["a red circle on a white background", "a green square on a black background"]
+SDXL = family("sdxl")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The tiny SDXL workspace with phase 1 trained uninterrupted (diffusion, per-encoder caption dropout)."""
+    root = tmp_path_factory.mktemp("sdxl-straight")
+    params = build_workspace(root, family="sdxl")
+    data = yaml.safe_load(params.read_text())
+    data["train"]["objective"] = "diffusion"
+    data["phases"]["phase1"]["caption_dropout"] = {"text_encoder": 0.3, "text_encoder_2": 0.3, "pooled": 0.1}
+    params.write_text(yaml.safe_dump(data))
+    done = train(params, "phase1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_the_scratch_denoiser_is_an_sdxl_unet_and_trains_on_the_sizes(straight):
+    config = json.loads((straight / "checkpoints/phase1/unet_ema/config.json").read_text())
+    assert config["addition_embed_type"] == "text_time" and config["addition_time_embed_dim"] == 8
+    before, after = weights(straight, "scratch", "unet"), weights(straight, "phase1", "unet")
+    assert max(float((after[k] - before[k]).abs().max()) for k in before) > 1e-4
+    metrics = json.loads((straight / "metrics/train/phase1.json").read_text())
+    assert metrics["steps"] == 6 and np.isfinite(metrics["final_loss"])
+    assert metrics["micro_conditioning.samples"] == SAMPLES and metrics["micro_conditioning.original_known"] == 24
+
+
+def test_the_size_reader_gives_each_samples_time_ids(straight):
+    params = load_params(straight / "params.yaml")
+    data = LatentIndexDataset(straight / "data/mixes/phase1.parquet", Path(params.paths.latents), "square")
+    sizes = SizeReader(data, Path(params.paths.latents), "square")
+    rows = data.locate(np.arange(len(data)))[1]
+    got = sizes.gather(np.arange(len(data))).numpy()
+    for row, six in zip(rows.tolist(), got.tolist(), strict=True):  # the fixture's SAMPLE_SIZES, bucket 64×64
+        original = [80 + row, 100 + row] if row % 2 == 0 else [48, 64]
+        assert six == [*original, row % 3, row % 5, 64, 64], row
+
+
+def test_a_part_that_lost_rows_is_named(straight, tmp_path):
+    params = untrained_clone(straight, tmp_path)
+    part = Path(load_params(params).paths.latents) / "laion/square/shard-00000.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(part).slice(0, SAMPLES - 1), part)
+    data = LatentIndexDataset(tmp_path / "data/mixes/phase1.parquet", part.parents[2], "square")
+    with pytest.raises(InputError, match="shard-00000.parquet: bucket 64x64's rows are not its latent file's 0..47"):
+        SizeReader(data, part.parents[2], "square")
+
+
+def test_the_step_writes_the_sizes_after_the_prompt_drop():
+    cond, uncond = torch.ones(3, 18, 64), torch.zeros(1, 18, 64)
+    conditioning = SimpleNamespace(encode=lambda ids: cond, uncond=uncond)
+    job = SimpleNamespace(conditioning=conditioning, caption_parts=[], family=SDXL)
+    sizes = torch.tensor([[90.0, 120, 3, 1, 64, 64], [48, 64, 0, 0, 64, 64], [70, 70, 2, 2, 64, 64]])
+    draws = LossDraws(torch.zeros(3, 4, 8, 8), torch.zeros(3))
+    batch = MicroBatch(torch.zeros(3, 4, 8, 8), torch.zeros(3, 16, dtype=torch.long), torch.tensor([True, False, True]),
+                       torch.zeros(3, 0, dtype=torch.bool), draws, sizes=sizes)  # fmt: skip
+    got = condition(job, batch)
+    assert torch.equal(got[:, -1, :6], sizes) and torch.count_nonzero(got[:, -1, 6:]) == 0
+    assert torch.count_nonzero(got[[0, 2], :-1]) == 0 and torch.all(got[1, :-1] == 1)  # dropped: the empty prompt
+
+
+def test_sigkill_then_resume_is_bit_identical(straight, tmp_path):
+    assert_kill_resume_matches(straight, tmp_path, "phase1", KILL_AT)
+
+
+def test_the_export_samples_like_generate_pixel_for_pixel(straight, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    models, checkpoint = straight / "models", straight / "checkpoints/phase1"
+    metrics = export_pipeline(models, checkpoint, tmp_path / "export")
+    assert metrics["pipeline"] == "StableDiffusionXLPipeline"
+    ours = generate(load_pipeline(models, checkpoint, device="cpu"), PROMPTS, steps=4, guidance_scale=3.0,
+                    seeds=[5, 6])  # fmt: skip
+    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "export")
+    theirs = pipe(PROMPTS, negative_prompt="", num_inference_steps=4, guidance_scale=3.0, output_type="np",
+                  height=16, width=16, generator=[torch.Generator().manual_seed(s) for s in (5, 6)]).images  # fmt: skip
+    theirs = (theirs * 255).round().astype(np.uint8)
+    assert np.abs(np.stack(ours).astype(int) - theirs.astype(int)).max() == 0
+
+
+def test_an_attention_lora_phase_loads_with_load_lora_weights_pixel_for_pixel(straight, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    params = untrained_clone(straight, tmp_path)
+    shutil.copytree(straight / "checkpoints/phase1", tmp_path / "checkpoints/phase1")
+    data = yaml.safe_load(params.read_text())
+    data["phases"]["phase2"]["adapter"] = {"rank": 2, "targets": ["self_attention"], "merge": False}
+    params.write_text(yaml.safe_dump(data))
+    done = train(params, "phase2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints/phase2"
+    metrics = export_pipeline(tmp_path / "models", checkpoint, tmp_path / "export", keep_lora=True)
+    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "export")
+    pipe.load_lora_weights(tmp_path / "export")
+    lora = [n for n, _ in pipe.unet.named_parameters() if "lora_" in n]
+    assert lora and all(".attn1." in n for n in lora) and metrics["pipeline"] == "StableDiffusionXLPipeline"
+    ours = generate(load_pipeline(tmp_path / "models", checkpoint, device="cpu"), PROMPTS, steps=3,
+                    guidance_scale=3.0, seeds=[1, 2])  # fmt: skip
+    theirs = pipe(PROMPTS, negative_prompt="", num_inference_steps=3, guidance_scale=3.0, output_type="np",
+                  height=16, width=16, generator=[torch.Generator().manual_seed(s) for s in (1, 2)]).images
+    assert np.abs(np.stack(ours).astype(int) - (theirs * 255).round().astype(int)).max() == 0
+
+
+REFUSED = {
+    "adapter.targets: \\['pooled_text'\\] are not layer": {"adapter": {"rank": 2, "targets": ["pooled_text"]}},
+    "adapter.words: learned words .* sdxl family has two": {"adapter": {"targets": ["proj"], "words": ["a"]}},
+    "distill: consistency distillation is not supported for the sdxl": {
+        "adapter": {"targets": ["self_attention"], "merge": False}, "cfg_dropout": 0, "min_snr_gamma": None,
+        "distill": {"method": "lcm"}},
+}  # fmt: skip
+
+
+def test_a_phase_the_family_cannot_train_is_refused_by_key(straight, tmp_path):
+    params = untrained_clone(straight, tmp_path)
+    for message, keys in REFUSED.items():
+        data = yaml.safe_load(params.read_text())
+        data["phases"]["phase2"].update(keys)
+        params.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError, match=f"phases.phase2.{message}"):
+            load_params(params)
