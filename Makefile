@@ -4,6 +4,7 @@
 #   make demo-recaption  the demo + a source captioned with file names, recaptioned (workspace .demo-recaption/)
 #   make demo-controlnet  the demo + a ControlNet phase placing small shapes (workspace .demo-controlnet/)
 #   make demo-mmdit   the demo's whole DAG with a tiny MM-DiT (SD3's backbone) instead of the UNet (.demo-mmdit/)
+#   make demo-sdxl    a tiny SDXL base taught a new colour by three adapter setups (.demo-sdxl/)
 #   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
 #   make stack-up-s3  the same + MLflow server (artifacts on S3) + moto's S3 server on loopback (local test)
@@ -45,7 +46,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo demo-recaption demo-controlnet demo-mmdit preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo demo-recaption demo-controlnet demo-mmdit demo-sdxl preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -96,6 +97,11 @@ demo-controlnet: venv
 # The demo's DAG, phases 0-8, with the MM-DiT family (docs/MMDIT.md); workspace .demo-mmdit/ (a rerun resumes).
 demo-mmdit: venv
 	HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m tools.demo_mmdit $(DEMO_MMDIT_ARGS)
+
+# A tiny SDXL base (phases 0-1) taught "orange" by each adapter setup of issue 60 (docs/SDXL.md); workspace
+# .demo-sdxl/. DEMO_SDXL_ARGS: e.g. --seeds 0,1,2 (the adapter phases retrained under each train.seed)
+demo-sdxl: venv
+	HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m tools.demo_sdxl $(DEMO_SDXL_ARGS)
 
 # PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
 preflight: venv

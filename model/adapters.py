@@ -19,6 +19,10 @@ group                     modules (a suffix of the module's full name)
 The adapter is peft's (``LoraConfig``, ``use_dora`` for DoRA, Gaussian init: the update starts at zero), added
 with the model's own ``add_adapter`` (diffusers' ``PeftAdapterMixin``), so the saved layers
 are what diffusers' ``load_lora_weights`` reads.
+
+A text encoder's LoRA (``adapter.text_encoders``) goes on its attention projections, ``self_attn.q_proj``,
+``k_proj``, ``v_proj`` and ``out_proj`` (:data:`TEXT_ENCODER_PATTERN`): the layers diffusers' SDXL LoRA scripts
+train, added with transformers' own ``add_adapter``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,17 @@ def target_pattern(groups: Iterable[str], table: dict[str, tuple[str, ...]]) -> 
         raise ValueError(f"unknown adapter target group(s) {unknown}; known: {sorted(table)}")
     suffixes = [s for g in groups for s in table[g]]
     return r"(?:.*\.)?(?:" + "|".join(suffixes) + ")"
+
+
+TEXT_ENCODER_PATTERN = r"(?:.*\.)?self_attn\.(?:q_proj|k_proj|v_proj|out_proj)"
+"""The CLIP text encoder layers a text-encoder LoRA trains (peft full-matches module names against it)."""
+
+
+def add_text_adapter(encoder: torch.nn.Module, kind: str, rank: int, alpha: float | None,
+                     dropout: float) -> list[tuple[str, torch.nn.Parameter]]:  # fmt: skip
+    """Freeze ``encoder`` (a CLIP text model) and add a LoRA/DoRA on its attention projections; the trainable
+    parameters by name."""
+    return add_adapter(encoder, lora_config(kind, rank, alpha, dropout, TEXT_ENCODER_PATTERN))
 
 
 def lora_config(kind: str, rank: int, alpha: float | None, dropout: float, pattern: str) -> LoraConfig:

@@ -160,9 +160,11 @@ class DenoiserFamily(ABC):
     """The diffusers pipeline class that samples the family's denoiser under its ControlNet (None: it has none)."""
 
     @abstractmethod
-    def save_lora(self, folder, layers: dict, metadata: dict) -> None:
+    def save_lora(self, folder, layers: dict, metadata: dict, text: dict[str, tuple[dict, dict]] | None = None) -> None:
         """Write ``layers`` (peft's state dict of the denoiser's adapter) as ``folder/pytorch_lora_weights.safetensors``
-        in the format the family's pipeline's ``load_lora_weights`` reads, with the peft config as metadata."""
+        in the format the family's pipeline's ``load_lora_weights`` reads, with the peft config as metadata; ``text``:
+        each adapted text encoder's (by folder name: ``text_encoder``, ``text_encoder_2``) layers and config, in the
+        same file."""
 
     @abstractmethod
     def pipeline(self, denoiser, vae, encoders: list, tokenizers: list, scheduler):
@@ -174,3 +176,12 @@ def uncropped_sizes(height: int, width: int) -> torch.Tensor:
     """``[1, 6]`` micro-conditioning of an uncropped ``height × width`` image drawn at its own size (what diffusers'
     SDXL pipeline uses by default): original = target = ``(height, width)``, crop ``(0, 0)``."""
     return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32)
+
+
+def text_lora_kwargs(text: dict[str, tuple[dict, dict]] | None) -> dict:
+    """The text encoders' part of a diffusers ``save_lora_weights`` call: ``<name>_lora_layers`` and
+    ``<name>_lora_adapter_metadata`` per adapted encoder (the same names in every pipeline's loader)."""
+    kwargs: dict = {}
+    for name, (layers, metadata) in (text or {}).items():
+        kwargs[f"{name}_lora_layers"], kwargs[f"{name}_lora_adapter_metadata"] = layers, metadata
+    return kwargs

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.denoisers.base import CondPart, DenoiserFamily
+from model.denoisers.base import CondPart, DenoiserFamily, text_lora_kwargs
 from model.seeding import seeded
 
 SPEC_KEYS = ("sample_size", "patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
@@ -126,12 +126,12 @@ class MMDiTFamily(DenoiserFamily):
 
     lora_prefix = "transformer"
 
-    def save_lora(self, folder, layers: dict, metadata: dict) -> None:
+    def save_lora(self, folder, layers: dict, metadata: dict, text=None) -> None:
         from diffusers.loaders import SD3LoraLoaderMixin  # lazy: diffusers costs 4-6 s to import (model_class)
 
         SD3LoraLoaderMixin.save_lora_weights(
             folder, transformer_lora_layers=layers, safe_serialization=True,
-            transformer_lora_adapter_metadata=metadata,
+            transformer_lora_adapter_metadata=metadata, **text_lora_kwargs(text),
         )  # fmt: skip
 
     def pipeline(self, denoiser, vae, encoders: list, tokenizers: list, scheduler):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from model.denoisers.base import CondPart, DenoiserFamily
+from model.denoisers.base import CondPart, DenoiserFamily, text_lora_kwargs
 from model.denoisers.unet import UNET_GROUPS, UNetFamily
 
 SPEC_KEYS = ("sample_size", "in_channels", "out_channels", "block_out_channels", "layers_per_block",
@@ -114,13 +114,14 @@ class SDXLFamily(UNetFamily):
         return DenoiserFamily.load_controlled(self, denoiser, folder, scale)
 
     # ------------------------------------------------------------------------------------------ export
-    def save_lora(self, folder, layers: dict, metadata: dict) -> None:
+    def save_lora(self, folder, layers: dict, metadata: dict, text=None) -> None:
         # lazy: diffusers costs 4-6 s to import (model_class)
         from diffusers.loaders import StableDiffusionXLLoraLoaderMixin
 
         StableDiffusionXLLoraLoaderMixin.save_lora_weights(
-            folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
-        )
+            folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata,
+            **text_lora_kwargs(text),
+        )  # fmt: skip
 
     def pipeline(self, denoiser, vae, encoders: list, tokenizers: list, scheduler):
         from diffusers import StableDiffusionXLPipeline  # lazy: diffusers costs 4-6 s to import (model_class)

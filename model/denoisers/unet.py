@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from model.denoisers.base import DenoiserFamily
+from model.denoisers.base import DenoiserFamily, text_lora_kwargs
 from model.denoisers.unet_controlnet import ControlledUNet, build_unet_controlnet, like
 from model.seeding import seeded
 
@@ -177,13 +177,14 @@ class UNetFamily(DenoiserFamily):
     lora_prefix = "unet"
     controlnet_pipeline = "StableDiffusionControlNetPipeline"
 
-    def save_lora(self, folder, layers: dict, metadata: dict) -> None:
+    def save_lora(self, folder, layers: dict, metadata: dict, text=None) -> None:
         # lazy: diffusers costs 4-6 s to import (output_projections)
         from diffusers.loaders import StableDiffusionLoraLoaderMixin
 
         StableDiffusionLoraLoaderMixin.save_lora_weights(
-            folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata
-        )
+            folder, unet_lora_layers=layers, safe_serialization=True, unet_lora_adapter_metadata=metadata,
+            **text_lora_kwargs(text),
+        )  # fmt: skip
 
     def pipeline(self, denoiser, vae, encoders: list, tokenizers: list, scheduler):
         from diffusers import StableDiffusionPipeline  # lazy: diffusers costs 4-6 s to import (output_projections)

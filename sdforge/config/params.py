@@ -192,6 +192,11 @@ def _check_learned_words_stay(name: str, phase, phases: dict) -> None:
             f"encoder, which a later phase does not carry over; learn them in the last phase of a lineage, "
             f"or in phases.{name} itself"
         )
+    if base is not None and base.adapter is not None and base.adapter.text_encoders:
+        raise ValueError(
+            f"phases.{name}.init_from: '{phase.init_from}' trains a LoRA on {base.adapter.text_encoders}, which "
+            "a later phase does not carry over; train it in the last phase of a lineage"
+        )
 
 
 def _check_condition_made(name: str, phase, kinds: list[str]) -> None:
@@ -322,6 +327,22 @@ FAMILY_LACKS = {
 """Phase capabilities a family does not have yet, with what to do."""
 
 
+FAMILY_TEXT_ENCODERS = {"unet": ("text_encoder",), "mmdit": ("text_encoder", "text_encoder_2"),
+                        "sdxl": ("text_encoder", "text_encoder_2")}  # fmt: skip
+"""The text encoders of each family (the families' ``text_encoders``; a test holds them equal)."""
+
+
+def _check_text_encoder_lora(family: str, where: str, phase: Phase) -> None:
+    """``adapter.text_encoders`` must name the family's encoders, and a distillation's teacher needs them frozen."""
+    foreign = sorted(set(phase.adapter.text_encoders) - set(FAMILY_TEXT_ENCODERS[family]))
+    if foreign:
+        raise ValueError(f"{where}.adapter.text_encoders: {foreign} are not text encoders of the {family} family "
+                         f"(its encoders: {list(FAMILY_TEXT_ENCODERS[family])})")  # fmt: skip
+    if phase.adapter.text_encoders and phase.distill is not None:
+        raise ValueError(f"{where}.adapter.text_encoders: a distillation's teacher reads the frozen encoders — "
+                         "leave it [] in a distill phase")  # fmt: skip
+
+
 def _check_family_phase(family: str, name: str, phase: Phase, objective: str) -> None:
     """A ValueError naming the key of ``phases.<name>`` that the family cannot train (docs/MMDIT.md)."""
     where = f"phases.{name}"
@@ -337,6 +358,8 @@ def _check_family_phase(family: str, name: str, phase: Phase, objective: str) ->
         if foreign:
             raise ValueError(f"{where}.adapter.targets: {foreign} are not layer groups of the {family} family "
                              f"(its groups: {list(FAMILY_ADAPTER_TARGETS[family])})")  # fmt: skip
+    if phase.adapter is not None:
+        _check_text_encoder_lora(family, where, phase)
     asked = {"adapter.words": phase.adapter is not None and bool(phase.adapter.words),
              "distill": phase.distill is not None, "controlnet": phase.controlnet is not None}  # fmt: skip
     for key, why in FAMILY_LACKS[family].items():

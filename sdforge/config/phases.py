@@ -42,6 +42,12 @@ class Adapter(Section):
     :mod:`model.learned_words`): each must be one token. The rows go to ``adapter*/learned_embeds.safetensors``
     and every sampler of the phase (eval grid, ``generate``, export's ``text_encoder/``) uses them. The demo
     learns its new colour word this way (docs/ADAPTERS.md)."""
+    text_encoders: list[Literal["text_encoder", "text_encoder_2"]] = []
+    """Text encoders that get a LoRA of the same type, rank, alpha and dropout on their attention projections
+    (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; :mod:`model.adapters`): ``text_encoder``, and
+    ``text_encoder_2`` for a family with two. The empty prompt's embedding is then recomputed with the adapted
+    encoders wherever CFG needs it; ``adapter*/`` holds their layers in the same LoRA file
+    (``load_lora_weights`` reads all). Needs ``merge: false`` (the encoders are not the phase's to merge into)."""
     merge: bool = True
     """true: ``unet/`` and ``unet_ema/`` hold base + adapter merged (what the next phase, the eval grid and
     export use); false: they hold the base unchanged and the eval grid, ``generate`` and export apply
@@ -60,6 +66,15 @@ class Adapter(Section):
         if len(set(words)) != len(words) or any(not w.strip() or " " in w for w in words):
             raise ValueError("words must be distinct single words")
         return words
+
+    @model_validator(mode="after")
+    def _text_encoder_lora_unmerged(self) -> Adapter:
+        if len(set(self.text_encoders)) != len(self.text_encoders):
+            raise ValueError(f"text_encoders must name each encoder once; got {self.text_encoders}")
+        if self.text_encoders and self.merge:
+            raise ValueError("text_encoders: a LoRA on the text encoders needs merge: false (the shared text "
+                             "encoders are not merged into; sampling and export apply the LoRA file)")  # fmt: skip
+        return self
 
 
 class Distill(Section):

@@ -42,6 +42,7 @@ from pathlib import Path
 from sdforge.config import ConfigError, Tracking
 from sdforge.eval.export_target import EXPORT_MARKER
 from sdforge.eval.sampling import LORA_FILE, few_step_settings, load_pipeline, trained_side, unmerged_adapter
+from sdforge.eval.text_lora import unload_text_lora
 from sdforge.io import InputError, write_json
 from sdforge.output_dirs import (
     check_replaceable,
@@ -109,8 +110,10 @@ def export_pipeline(
             "merge: false); export it without --lora-file"
         )
     pipe = load_pipeline(models_dir, checkpoint_dir, use_ema=use_ema, device="cpu", fuse_adapter=not keep_lora)
-    if keep_lora:  # the base UNet goes to unet/: drop the (unfused) LoRA layers, the weights stay the base's
+    if keep_lora:  # the base UNet and encoders are written: drop the (unfused) LoRA layers, the weights stay the base's
         pipe.unet.unload_lora()
+        for encoder in pipe.text.encoders:
+            unload_text_lora(encoder)
     sd = pipe.family.pipeline(pipe.denoiser, pipe.vae, pipe.text.encoders, pipe.text.tokenizers, pipe.scheduler())
     metrics = {
         "export_dir": str(out_dir),

@@ -24,6 +24,7 @@ from model.sampler import (
     vae_factor,
 )
 from model.text_stack import TextStack, text_part_dirs
+from sdforge.eval.text_lora import fuse_text_lora, load_text_lora
 from sdforge.io import InputError, load_failure
 
 log = logging.getLogger(__name__)
@@ -174,26 +175,19 @@ def load_pipeline(
         if not (models_dir / sub).is_dir():
             raise InputError(f"{models_dir / sub}: missing (run `dvc repro prepare_models`)")
     # lazy: diffusers + transformers cost 4-6 s to import; the eval grid of a phase it skips never loads a model
-    import transformers
     from diffusers import AutoencoderKL, DDPMScheduler
-    from transformers import CLIPTokenizer
 
-    reprepare = "re-run `dvc repro prepare_models`"
     dev = pick_device(device)
     state = checkpoint_state(checkpoint_dir)
     unet, adapter = _load_denoiser(checkpoint_dir, weights, use_ema, fuse_adapter, denoiser_family)
-    encoders, tokenizers = [], []
-    parts = zip(denoiser_family.text_encoder_classes, text_part_dirs(denoiser_family), strict=True)
-    for class_name, (encoder_dir, tokenizer_dir) in parts:
-        encoders.append(_load(getattr(transformers, class_name), models_dir / encoder_dir, reprepare).to(dev).eval())
-        tokenizers.append(_load(CLIPTokenizer, models_dir / tokenizer_dir, reprepare, weights=False))
+    text = _load_text(models_dir, denoiser_family, dev, adapter, fuse_adapter)
     words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
     if words.is_file():
-        apply_learned_words(encoders[0], tokenizers[0], words)
+        apply_learned_words(text.encoders[0], text.tokenizers[0], words)
     return Pipeline(
         unet=unet.to(dev).eval(),
-        vae=_load(AutoencoderKL, models_dir / "vae", reprepare).to(dev).eval(),
-        text=TextStack(denoiser_family, tokenizers, encoders),
+        vae=_load(AutoencoderKL, models_dir / "vae", REPREPARE).to(dev).eval(),
+        text=text,
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
         checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, words) if p is not None and p.exists())),
         objective=state.get("objective", "diffusion"),
@@ -201,6 +195,28 @@ def load_pipeline(
         distill=state.get("distill"),
         controlnet=state.get("controlnet"),
     )
+
+
+REPREPARE = "re-run `dvc repro prepare_models`"
+
+
+def _load_text(models_dir: Path, denoiser_family: DenoiserFamily, dev, adapter: Path | None,
+               fuse_adapter: bool) -> TextStack:  # fmt: skip
+    """The family's tokenizers and text encoders from ``models_dir`` on ``dev``, with an unmerged adapter's text
+    encoder LoRA (``adapter.text_encoders``) applied from ``adapter``'s LoRA file (fused if asked)."""
+    # lazy: transformers costs 2-3 s to import (load_pipeline)
+    import transformers
+    from transformers import CLIPTokenizer
+
+    encoders, tokenizers = {}, []
+    parts = zip(denoiser_family.text_encoder_classes, text_part_dirs(denoiser_family), strict=True)
+    for class_name, (encoder_dir, tokenizer_dir) in parts:
+        encoders[encoder_dir] = _load(getattr(transformers, class_name), models_dir / encoder_dir, REPREPARE)
+        tokenizers.append(_load(CLIPTokenizer, models_dir / tokenizer_dir, REPREPARE, weights=False))
+    for name in [] if adapter is None else load_text_lora(encoders, adapter, LORA_FILE):
+        if fuse_adapter:
+            fuse_text_lora(encoders[name])
+    return TextStack(denoiser_family, tokenizers, [e.to(dev).eval() for e in encoders.values()])
 
 
 def _load_denoiser(checkpoint_dir: Path, weights: Path, use_ema: bool, fuse_adapter: bool,

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 UNET_FILE = "diffusion_pytorch_model.safetensors"
 
 
-def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
-    """``unet``'s current adapter weights as ``folder/pytorch_lora_weights.safetensors`` (diffusers' format).
+def write_lora_folder(unet: torch.nn.Module, folder: Path, text_lora: dict[str, torch.nn.Module] | None = None) -> Path:
+    """``unet``'s current adapter weights as ``folder/pytorch_lora_weights.safetensors`` (diffusers' format), with
+    the LoRA of each text encoder in ``text_lora`` (by folder name) under its prefix (``text_encoder.``, …).
 
     The keys stay peft's (``lora_A``/``lora_B``): diffusers' ``convert_state_dict_to_diffusers`` renames only the
     attention projections (``to_q.lora_A`` → ``to_q.lora.down``), and ``load_lora_adapter`` converts back only when
@@ -38,7 +39,9 @@ def write_lora_folder(unet: torch.nn.Module, folder: Path) -> Path:
     then loaded without its attention weights (diffusers 0.42; tests/sdforge/training/test_adapter_files.py)."""
     layers = get_peft_model_state_dict(unet)
     metadata = unet.peft_config["default"].to_dict()
-    family_of(unet).save_lora(folder, layers, metadata)
+    text = {name: (get_peft_model_state_dict(encoder), encoder.peft_config["default"].to_dict())
+            for name, encoder in (text_lora or {}).items()}  # fmt: skip
+    family_of(unet).save_lora(folder, layers, metadata, text)
     path = folder / LORA_FILE  # its metadata map comes in hash order: same weights, other bytes each process
     atomic_write_bytes(path, sorted_header(path.read_bytes()))
     return path

@@ -4,8 +4,10 @@ CLIP text encoders (eval mode, no gradients: :class:`model.text_stack.TextStack`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -14,11 +16,12 @@ from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 from transformers import CLIPTokenizer
 
+from model.adapters import add_text_adapter
 from model.denoisers import DenoiserFamily
 from model.diffusion import to_device
 from model.learned_words import LearnedWords, single_token_id
 from model.text_stack import TextStack, text_part_dirs
-from sdforge.config import Train
+from sdforge.config import Adapter, Train
 from sdforge.io import InputError
 
 log = logging.getLogger(__name__)
@@ -38,10 +41,42 @@ class Conditioning:
         self.scheduler.alphas_cumprod = self.scheduler.alphas_cumprod.to(device)
         self.text = load_text_stack(models, family, device, text_encoder_dtype)
         self.tokenizer, self.text_encoder = self.text.tokenizer, self.text.text_encoder
-        self.uncond = _uncond_embedding(models, self.text, device)
+        self._uncond = _uncond_embedding(models, self.text, device)
         self.device = device
         self.words: LearnedWords | None = None
         """The phase's learned words (``adapter.words``), hooked into the encoder; None: it is frozen whole."""
+        self.adapted: dict[str, torch.nn.Module] = {}
+        """The text encoders that train a LoRA (``adapter.text_encoders``), by folder name; empty: none."""
+        self._empty_ids = self.text.tokenize([""]).to(device)
+
+    @property
+    def uncond(self) -> torch.Tensor:
+        """The empty prompt's embedding ``[1, L, D]``: prepare_models' one, or encoded now through the adapted text
+        encoders (differentiable) when a LoRA trains on them."""
+        return self.encode(self._empty_ids) if self.adapted else self._uncond
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Within the block the adapted text encoders are in eval mode (no LoRA dropout), as for sampling."""
+        for encoder in self.adapted.values():
+            encoder.eval()
+        try:
+            yield
+        finally:
+            for encoder in self.adapted.values():
+                encoder.train()
+
+    def adapt_text_encoders(self, spec: Adapter | None) -> dict[str, torch.nn.Module]:
+        """Add the phase's LoRA to the text encoders ``adapter.text_encoders`` names (:func:`add_text_adapter`);
+        those encoders by folder name (``text_encoder``, ``text_encoder_2``), in train mode."""
+        names = [encoder_dir for encoder_dir, _ in text_part_dirs(self.text.family)]
+        for name in [] if spec is None else spec.text_encoders:
+            encoder = self.text.encoders[names.index(name)]
+            trainable = add_text_adapter(encoder, spec.type, spec.rank, spec.alpha, spec.dropout)
+            self.adapted[name] = encoder.train()
+            log.info("%s LoRA rank %d on %s's attention: %d trainable weights", spec.type, spec.rank, name,
+                     sum(p.numel() for _, p in trainable))  # fmt: skip
+        return self.adapted
 
     def learn_words(self, words: list[str], where: str) -> LearnedWords | None:
         """Make the input-embedding rows of ``words`` trainable (:class:`model.learned_words.LearnedWords`, hooked
@@ -57,8 +92,9 @@ class Conditioning:
 
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, 77]`` → text embeddings ``[B, 77, D]`` in fp32 (bf16 encoder on CUDA; no-op in fp32);
-        differentiable only through learned words' rows."""
-        with torch.set_grad_enabled(self.words is not None and torch.is_grad_enabled()):
+        differentiable only through learned words' rows and the text encoders' LoRA."""
+        trains = self.words is not None or bool(self.adapted)
+        with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
             return self.text.encode_ids(to_device(input_ids, self.device)).float()
 
     def caption_parts(self, rates: dict[str, float]) -> list:

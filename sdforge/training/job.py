@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 from pathlib import Path
+
+import torch
 
 from model.activation_memory import checkpoint_units, set_checkpointing
 from model.denoisers import family
@@ -90,11 +93,13 @@ class TrainJob(JobEvents):
         self.objective = params.phase_objective(phase_name)
         words = self.phase.adapter.words if self.phase.adapter is not None else []
         learned = self.conditioning.learn_words(words, f"phases.{phase_name}.adapter.words")
+        text_lora = self.conditioning.adapt_text_encoders(self.phase.adapter)
         blockers = tuple(params.fsdp_blockers(phase_name))
         cap_device_memory(self.cfg, dist.device)  # a budget on CUDA is a hard limit: a smaller card, emulated
         largest = max(self.data.latent_shapes.values(), key=lambda shape: shape[-1] * shape[-2], default=None)
         self.model = build_trained_model(params, self.phase, dist, len(self.data.buckets), learned, blockers,
-                                         tuple(largest[-2:]) if largest else None, vae_factor(self.data))  # fmt: skip
+                                         tuple(largest[-2:]) if largest else None, vae_factor(self.data),
+                                         text_lora)  # fmt: skip
         self.controls = condition_reader(params, phase_name, self.data)
         """A ControlNet phase's conditioning images, read beside the latents (None for any other phase)."""
         self.sizes = size_reader(self.family.micro_conditioning, self.data, Path(paths.latents),
@@ -158,11 +163,19 @@ class TrainJob(JobEvents):
         return plan
 
     def memory_metrics(self) -> dict:
-        """The memory plan's choice, for the phase's metrics."""
+        """The memory plan's choice and what the phase held: its models' weights as stored (``weights_mib``: the
+        denoiser and text encoders, adapters and quantised layers included), this process's peak RSS, and on CUDA
+        the peak allocated memory."""
         plan = self.memory
         out = {"memory.checkpointed_units": len(plan.checkpointed), "memory.micro_batch_cap": plan.micro}
         if plan.peak_bytes is not None:
             out["memory.forecast_peak_gib"] = round(plan.peak_bytes / 2**30, 2)
+        modules = [self.model.unet, *self.conditioning.text.encoders]
+        held = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+        out["memory.weights_mib"] = round(held / 2**20, 3)
+        out["memory.peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if self.dist.device.type == "cuda":
+            out["memory.peak_cuda_gib"] = round(torch.cuda.max_memory_allocated(self.dist.device) / 2**30, 3)
         return out
 
     def check_plan(self) -> None:

@@ -43,10 +43,12 @@ def build_trained_model(
     blockers: tuple[str, ...] = (),
     latent_hw: tuple[int, int] | None = None,
     vae_factor: int = 8,
+    text_lora: dict[str, torch.nn.Module] | None = None,
 ) -> FullUNet:
     """The phase's starting UNet (``init_from``, then ``init_path``, then its adapter if any) on the device, set up
     for training (channels_last, ``train.compile`` for ``bucket_shapes`` shapes), in its
-    strategy object; an adapter phase's learned ``words`` (the text encoder's rows) train with it. Sharded over the
+    strategy object; an adapter phase's learned ``words`` (the text encoder's rows) and its text encoders' LoRA
+    (``text_lora``, by folder name) train with it. Sharded over the
     ranks (:class:`ShardedUNet`) where ``train.parallel`` says so (:mod:`sdforge.training.parallel`; ``blockers``:
     what of the phase sharding does not support). With ``train.activation_checkpointing`` ``auto`` or
     ``selective``, its activations are measured first at ``latent_hw`` (its ``activation_profile``; checkpointing
@@ -82,16 +84,19 @@ def build_trained_model(
                  "fp32)", units, dist.world, "bf16" if bf16 else "fp32")  # fmt: skip
         model = ShardedUNet(unet, dist, units)
     else:
-        model = _replicated(unet, phase, dist, words)
+        model = _replicated(unet, phase, dist, words, text_lora or {})
     model.activation_profile = profile
     return model
 
 
-def _replicated(unet: torch.nn.Module, phase: Phase, dist: Dist, words: LearnedWords | None) -> FullUNet:
+def _replicated(unet: torch.nn.Module, phase: Phase, dist: Dist, words: LearnedWords | None,
+                text_lora: dict[str, torch.nn.Module]) -> FullUNet:  # fmt: skip
     """The strategy of a phase whose every rank holds the whole model: a ControlNet, an adapter, or every weight."""
     if phase.controlnet is not None:
         return ControlNetUNet(unet, dist, phase.controlnet)
-    return FullUNet(unet, dist) if phase.adapter is None else AdapterUNet(unet, dist, phase.adapter, words)
+    if phase.adapter is None:
+        return FullUNet(unet, dist)
+    return AdapterUNet(unet, dist, phase.adapter, words, text_lora)
 
 
 def activation_profile(unet: torch.nn.Module, denoiser_family: DenoiserFamily, device: torch.device, bf16: bool,

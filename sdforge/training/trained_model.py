@@ -109,37 +109,46 @@ class AdapterUNet(FullUNet):
     """A LoRA/DoRA on frozen init weights: checkpoints hold its tensors only; exports are diffusers LoRA files
     plus plain UNets (merged or the base: ``adapter.merge``; :mod:`sdforge.training.adapter_files`)."""
 
-    def __init__(self, unet: torch.nn.Module, dist: Dist, spec: Adapter, words: LearnedWords | None = None):
-        self.spec, self.words = spec, words
-        """``words``: the text encoder's learned rows (``adapter.words``), trained, saved and exported with it."""
+    def __init__(self, unet: torch.nn.Module, dist: Dist, spec: Adapter, words: LearnedWords | None = None,
+                 text_lora: dict[str, torch.nn.Module] | None = None):  # fmt: skip
+        self.spec, self.words, self.text_lora = spec, words, text_lora or {}
+        """``words``: the text encoder's learned rows (``adapter.words``); ``text_lora``: the text encoders with a
+        LoRA (``adapter.text_encoders``, by folder name). Both are trained, saved and exported with the adapter."""
         super().__init__(unet, dist)
 
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The adapter's tensors, then the learned words' vectors (``learned_words.vectors``) if any."""
-        named = super().named_trainable()
-        return named + ([(WORDS_PARAM, self.words.vectors)] if self.words is not None else [])
+        """The adapter's tensors, the learned words' vectors (``learned_words.vectors``), then each adapted text
+        encoder's LoRA tensors (``text_encoder.<name>``, ``text_encoder_2.<name>``)."""
+        return super().named_trainable() + self._text_trainable()
+
+    def _text_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trained tensors outside the UNet: the learned words', then the text encoders' LoRA."""
+        words = [(WORDS_PARAM, self.words.vectors)] if self.words is not None else []
+        return words + [(f"{name}.{n}", p) for name, encoder in self.text_lora.items()
+                        for n, p in encoder.named_parameters() if p.requires_grad]  # fmt: skip
 
     def parameter_counts(self) -> dict:
-        """As for a full UNet, ``trainable_params`` counting the learned words' vectors too."""
+        """As for a full UNet, ``trainable_params`` counting the learned words and the text encoders' LoRA too
+        (``text_lora_params``)."""
         counts = super().parameter_counts()
-        if self.words is not None:
-            counts["trainable_params"] += self.words.vectors.numel()
-            counts["trainable_share"] = round(counts["trainable_params"] / counts["unet_params"], 6)
+        outside = sum(p.numel() for _, p in self._text_trainable())
+        counts["trainable_params"] += outside
+        counts["trainable_share"] = round(counts["trainable_params"] / counts["unet_params"], 6)
+        if self.text_lora:
+            counts["text_lora_params"] = outside - (self.words.vectors.numel() if self.words is not None else 0)
         return counts
 
     def reduce_outside_gradients(self) -> None:
-        """The learned words live in the text encoder, outside the DDP-wrapped UNet: average their gradient here
-        (after the step's last micro-batch, as DDP does for the UNet's). A step whose batches never held the words
-        gets a zero gradient, on every world size: the optimizer then steps them as it steps every other weight
-        (a None gradient would skip them on one process and not on another, and every rank joins the reduction)."""
-        if self.words is None:
-            return
-        vectors = self.words.vectors
-        if vectors.grad is None:
-            vectors.grad = torch.zeros_like(vectors)
-        if self.world > 1:
-            torch.distributed.all_reduce(vectors.grad)
-            vectors.grad /= self.world
+        """The learned words and the text encoders' LoRA live outside the DDP-wrapped UNet: average their gradients
+        here (after the step's last micro-batch, as DDP does for the UNet's). A tensor no batch of the step reached
+        gets a zero gradient, on every world size: the optimizer then steps it as it steps every other weight
+        (a None gradient would skip it on one process and not on another, and every rank joins the reduction)."""
+        for _, tensor in self._text_trainable():
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            if self.world > 1:
+                torch.distributed.all_reduce(tensor.grad)
+                tensor.grad /= self.world
 
     def live_tensors(self) -> dict[str, torch.Tensor]:
         """The trained tensors by name (the frozen base is the init's)."""
@@ -166,7 +175,7 @@ class AdapterUNet(FullUNet):
 
     def export(self, out_dir: Path, unet_dir: str, adapter_dir: str) -> None:
         """``out_dir/adapter_dir`` (diffusers LoRA file) and ``out_dir/unet_dir`` (plain UNet)."""
-        write_lora_folder(self.unet, out_dir / adapter_dir)
+        write_lora_folder(self.unet, out_dir / adapter_dir, self.text_lora)
         if self.words is not None:
             write_learned_words(self.words.as_dict(), out_dir / adapter_dir)
         write_plain_unet(self.unet, out_dir / unet_dir, merge=self.spec.merge)

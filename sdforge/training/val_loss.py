@@ -106,7 +106,7 @@ class HeldOutLoss:
         bf16 = uses_bf16_autocast(dev, mixed_precision)
         unet.eval()
         try:
-            with torch.no_grad(), attention_context(attention):
+            with torch.no_grad(), attention_context(attention), conditioning.evaluating():
                 losses = torch.cat([self._batch_losses(unet, conditioning, objective, bf16, b)
                                     for b in range(len(self.batches))]).cpu()  # fmt: skip
         finally:

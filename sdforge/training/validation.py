@@ -58,15 +58,10 @@ class Validator:
         ema.copy_to(trainable)
         unet.eval()
         try:
-            return generate(
-                pipe,
-                self.prompts,
-                negative_prompt=self.negative,
-                steps=self.steps,
-                guidance_scale=self.guidance,
-                seeds=[self.seed + i for i in range(len(self.prompts))],
-                batch_size=len(self.prompts),
-            )
+            with cond.evaluating():
+                return generate(pipe, self.prompts, negative_prompt=self.negative, steps=self.steps,
+                                guidance_scale=self.guidance, seeds=[self.seed + i for i in range(len(self.prompts))],
+                                batch_size=len(self.prompts))  # fmt: skip
         finally:
             unet.train()
             ema.restore(trainable)

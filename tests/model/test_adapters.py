@@ -146,3 +146,17 @@ def test_the_params_target_names_are_exactly_the_groups_mapped_here():
         name: sorted(groups) for name, groups in FAMILY_ADAPTER_TARGETS.items()
     }
     assert sorted(ADAPTER_TARGETS) == sorted({g for f in FAMILIES.values() for g in f.lora_groups})
+
+
+def test_the_configs_capability_tables_are_the_families():
+    from model.denoisers import FAMILIES
+    from model.text_stack import text_part_dirs
+    from sdforge.config.params import FAMILY_OBJECTIVES, FAMILY_TEXT_ENCODERS
+    from sdforge.config.phases import FAMILY_CAPTION_PARTS
+
+    assert FAMILY_OBJECTIVES == {name: f.objectives for name, f in FAMILIES.items()}
+    assert FAMILY_TEXT_ENCODERS == {name: tuple(d for d, _ in text_part_dirs(f)) for name, f in FAMILIES.items()}
+    parts = {name: tuple(p.name for p in f.cond_parts([8] * f.text_encoders, [8] * f.text_encoders, 4))
+             for name, f in FAMILIES.items()}  # fmt: skip
+    assert FAMILY_CAPTION_PARTS == parts
+    assert all(len(f.text_encoder_classes) == f.text_encoders for f in FAMILIES.values())

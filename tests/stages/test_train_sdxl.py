@@ -116,27 +116,80 @@ def test_the_export_samples_like_generate_pixel_for_pixel(straight, tmp_path):
     assert np.abs(np.stack(ours).astype(int) - theirs.astype(int)).max() == 0
 
 
-def test_an_attention_lora_phase_loads_with_load_lora_weights_pixel_for_pixel(straight, tmp_path):
+ADAPTERS = {
+    "unet_attention": {"rank": 2, "targets": ["self_attention"], "merge": False},
+    "with_text_encoders": {"rank": 2, "targets": ["self_attention"], "merge": False,
+                           "text_encoders": ["text_encoder", "text_encoder_2"]},
+}  # fmt: skip
+"""The issue's setups (a) a LoRA on the UNet's self-attention, (b) the same plus a LoRA on both text encoders."""
+
+
+def adapter_workspace(straight: Path, root: Path, adapter: dict) -> Path:
+    """A clone of ``straight`` whose phase 2 trains ``adapter`` on its phase 1; the params file."""
+    params = untrained_clone(straight, root)
+    shutil.copytree(straight / "checkpoints/phase1", root / "checkpoints/phase1")
+    data = yaml.safe_load(params.read_text())
+    data["phases"]["phase2"]["adapter"] = adapter
+    params.write_text(yaml.safe_dump(data))
+    return params
+
+
+@pytest.fixture(scope="module")
+def adapted(straight, tmp_path_factory) -> dict[str, Path]:
+    """Each setup's phase 2, trained uninterrupted: setup → its workspace."""
+    roots = {}
+    for setup, adapter in ADAPTERS.items():
+        roots[setup] = tmp_path_factory.mktemp(f"sdxl-{setup}")
+        done = train(adapter_workspace(straight, roots[setup], adapter), "phase2")
+        assert done.returncode == 0, done.stderr[-3000:]
+    return roots
+
+
+@pytest.mark.parametrize("setup", sorted(ADAPTERS))
+def test_each_lora_loads_with_load_lora_weights_pixel_for_pixel(adapted, setup, tmp_path):
     from diffusers import StableDiffusionXLPipeline
 
-    params = untrained_clone(straight, tmp_path)
-    shutil.copytree(straight / "checkpoints/phase1", tmp_path / "checkpoints/phase1")
-    data = yaml.safe_load(params.read_text())
-    data["phases"]["phase2"]["adapter"] = {"rank": 2, "targets": ["self_attention"], "merge": False}
-    params.write_text(yaml.safe_dump(data))
-    done = train(params, "phase2")
-    assert done.returncode == 0, done.stderr[-3000:]
-    checkpoint = tmp_path / "checkpoints/phase2"
-    metrics = export_pipeline(tmp_path / "models", checkpoint, tmp_path / "export", keep_lora=True)
+    root = adapted[setup]
+    checkpoint = root / "checkpoints/phase2"
+    metrics = export_pipeline(root / "models", checkpoint, tmp_path / "export", keep_lora=True)
     pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "export")
     pipe.load_lora_weights(tmp_path / "export")
     lora = [n for n, _ in pipe.unet.named_parameters() if "lora_" in n]
     assert lora and all(".attn1." in n for n in lora) and metrics["pipeline"] == "StableDiffusionXLPipeline"
-    ours = generate(load_pipeline(tmp_path / "models", checkpoint, device="cpu"), PROMPTS, steps=3,
+    encoders = {"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2}
+    with_lora = sorted(n for n, e in encoders.items() if any("lora_" in k for k, _ in e.named_parameters()))
+    assert with_lora == ADAPTERS[setup].get("text_encoders", [])
+    ours = generate(load_pipeline(root / "models", checkpoint, device="cpu"), PROMPTS, steps=3,
                     guidance_scale=3.0, seeds=[1, 2])  # fmt: skip
     theirs = pipe(PROMPTS, negative_prompt="", num_inference_steps=3, guidance_scale=3.0, output_type="np",
                   height=16, width=16, generator=[torch.Generator().manual_seed(s) for s in (1, 2)]).images
     assert np.abs(np.stack(ours).astype(int) - (theirs * 255).round().astype(int)).max() == 0
+
+
+@pytest.mark.parametrize("setup", sorted(ADAPTERS))
+def test_the_text_encoders_lora_trains_and_is_counted(adapted, setup):
+    root = adapted[setup]
+    layers = weights(root, "phase2", "adapter_ema")
+    metrics = json.loads((root / "metrics/train/phase2.json").read_text())
+    for name in ("text_encoder", "text_encoder_2"):
+        moved = [k for k, v in layers.items() if k.startswith(f"{name}.") and "lora_B" in k and v.abs().max() > 0]
+        assert bool(moved) == (name in ADAPTERS[setup].get("text_encoders", [])), name
+    text = sum(v.numel() for k, v in layers.items() if k.startswith("text_encoder"))
+    assert metrics.get("text_lora_params", 0) == text
+    assert metrics["trainable_params"] == sum(v.numel() for v in layers.values())
+
+
+def test_sigkill_then_resume_is_bit_identical_with_the_text_encoders_lora(adapted, tmp_path):
+    """(b) covers (a)'s path too: the same UNet LoRA, plus the tensors outside the UNet."""
+    root = adapted["with_text_encoders"]
+    params = adapter_workspace(root, tmp_path, ADAPTERS["with_text_encoders"])
+    died = train(params, "phase2", kill_at=KILL_AT)
+    assert died.returncode != 0
+    resumed = train(params, "phase2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for sub in ("adapter", "adapter_ema"):
+        a, b = weights(root, "phase2", sub), weights(tmp_path, "phase2", sub)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
 
 
 REFUSED = {
