@@ -28,6 +28,7 @@ TORCH := torch==2.13.0
 IMG2DATASET := img2dataset==1.47.0
 # --no-deps: we read only its CLIP BPE merges file (sdforge/architectures); its deps would pull torchvision.
 OPEN_CLIP := open-clip-torch==3.3.0
+TORCHAO := torchao==0.18.0
 PHASE ?= phase7
 
 # The interpreter the venv is built from: python3.11 if present, else python3 (checked: 3.11 or 3.12).
@@ -100,8 +101,11 @@ demo-mmdit: venv
 
 # A tiny SDXL base (phases 0-1) taught "orange" by each adapter setup of issue 60 (docs/SDXL.md); workspace
 # .demo-sdxl/. DEMO_SDXL_ARGS: e.g. --seeds 0,1,2 (the adapter phases retrained under each train.seed)
+# torchao (setup (c)'s NF4 base) goes to .qlora-site/, on the demo's PYTHONPATH only: in the venv, diffusers would
+# import it in every process of every demo (docs/SDXL.md "A quantised base").
 demo-sdxl: venv
-	HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m tools.demo_sdxl $(DEMO_SDXL_ARGS)
+	@test -d .qlora-site/torchao || $(PY) -m pip install -q --no-deps --target .qlora-site $(TORCHAO)
+	HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$(CURDIR)/.qlora-site $(PY) -m tools.demo_sdxl $(DEMO_SDXL_ARGS)
 
 # PREFLIGHT_ARGS: e.g. --params my/params.yaml --gpus 8 --price-per-gpu-hour 2.1 (docs/PREFLIGHT.md)
 preflight: venv

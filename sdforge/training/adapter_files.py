@@ -14,12 +14,14 @@ import logging
 from pathlib import Path
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
 from model.denoisers import family_of
 from model.learned_words import LEARNED_WORDS_FILE
+from model.quantization import dequantised_state, is_quantised
 from sdforge.eval.sampling import LORA_FILE
 from sdforge.io import atomic_write_bytes
 from sdforge.latents.store import sorted_header
@@ -62,11 +64,26 @@ def write_plain_unet(unet: torch.nn.Module, folder: Path, merge: bool) -> None:
     """
     folder.mkdir(parents=True)
     unet.save_config(folder)
-    if merge:
+    if any(is_quantised(t) for t in unet.state_dict().values()):  # QLoRA: peft cannot merge into a quantised weight
+        _write_state(dequantised_merge(unet) if merge else dequantised_state(plain_state_dict(unet)),
+                     folder / UNET_FILE)  # fmt: skip
+    elif merge:
         with merged(unet):
             _write_state(plain_state_dict(unet), folder / UNET_FILE)
     else:
         _write_state(plain_state_dict(unet), folder / UNET_FILE)
+
+
+@torch.no_grad()
+def dequantised_merge(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain state dict of a UNet whose base is quantised (``adapter.base_precision``) with its adapter merged:
+    each adapted layer's dequantised weight plus the adapter's delta, in fp32 (the base's precision as loaded)."""
+    state = dequantised_state(plain_state_dict(unet))
+    for name, layer in unet.named_modules():
+        if isinstance(layer, BaseTunerLayer):
+            key = f"{name}.weight"
+            state[key] = state[key].float() + layer.get_delta_weight("default").float()
+    return state
 
 
 def _write_state(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from model.activation_memory import checkpoint_units, set_checkpointing
 from model.denoisers import family
+from model.quantization import held_bytes
 from model.speed import CUDA_ONLY, attention_backends, deterministic_attention
 from sdforge.config import Params
 from sdforge.control.reader import condition_reader
@@ -171,7 +172,7 @@ class TrainJob(JobEvents):
         if plan.peak_bytes is not None:
             out["memory.forecast_peak_gib"] = round(plan.peak_bytes / 2**30, 2)
         modules = [self.model.unet, *self.conditioning.text.encoders]
-        held = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+        held = sum(held_bytes(t) for m in modules for t in (*m.parameters(), *m.buffers()))
         out["memory.weights_mib"] = round(held / 2**20, 3)
         out["memory.peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if self.dist.device.type == "cuda":

@@ -16,9 +16,11 @@ from model.adapters import add_adapter, count_parameters, lora_config, target_pa
 from model.denoisers import DenoiserFamily, family
 from model.learned_words import LearnedWords
 from model.precision import uses_bf16_autocast
+from model.quantization import QUANTISED, held_bytes, quantisation_error, quantise_linears
 from model.sharding import shard_model
 from model.speed import compile_unet
 from sdforge.config import SCRATCH, Adapter, Params, Phase
+from sdforge.io import InputError
 from sdforge.training.controlnet_model import ControlNetUNet, attach_controlnet
 from sdforge.training.distributed import Dist
 from sdforge.training.parallel import choose_sharding, ensure_process_group
@@ -130,6 +132,18 @@ def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: Den
     trainable vs total weights."""
     pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
     config = lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern)
+    if spec.base_precision in QUANTISED:
+        before = {k: v.detach().clone() for k, v in unet.state_dict().items()}
+        try:
+            layers = quantise_linears(unet, spec.base_precision)
+        except ImportError as err:
+            raise InputError(f"adapter.base_precision {spec.base_precision} needs torchao ({err}): pip install -e "
+                             "'.[qlora]' (docs/SDXL.md \"A quantised base\")") from None  # fmt: skip
+        error = quantisation_error(before, unet)
+        unet.sdforge_quantisation = {"layers": len(layers), **error}
+        log.info("adapter.base_precision %s: %d linear layers quantised (max |error| %.3g, relative %.3g); the frozen "
+                 "UNet holds %.1f MiB", spec.base_precision, len(layers), error["max_abs_error"], error["rel_error"],
+                 sum(held_bytes(t) for t in unet.state_dict().values()) / 2**20)  # fmt: skip
     add_adapter(unet, config)
     n_train, n_base = count_parameters(unet)
     log.info(

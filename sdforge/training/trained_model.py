@@ -136,6 +136,8 @@ class AdapterUNet(FullUNet):
         counts["trainable_share"] = round(counts["trainable_params"] / counts["unet_params"], 6)
         if self.text_lora:
             counts["text_lora_params"] = outside - (self.words.vectors.numel() if self.words is not None else 0)
+        quantised = getattr(self.unet, "sdforge_quantisation", {})  # adapter.base_precision: nf4 / int8
+        counts.update({f"quantisation.{k}": v for k, v in quantised.items()})
         return counts
 
     def reduce_outside_gradients(self) -> None:
