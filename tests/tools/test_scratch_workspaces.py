@@ -105,16 +105,21 @@ def test_preflight_prunes_only_its_trained_run_dirs_and_checkpoints_no_later_sta
     ]  # fmt: skip
 
 
+def _refuses_a_users_folder(tool, name: str, tmp_path: Path, capsys) -> None:
+    """``tool.main`` exits 2 with one line naming ``--out`` when it is a user's folder, which stays byte-identical."""
+    mine = _users_project(tmp_path / "mine")
+    before = _tree(tmp_path)
+    assert tool.main(["--out", str(mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"--out {mine}: a folder with files that are not a previous {name} workspace")
+    assert "\n" not in err and _tree(tmp_path) == before
+
+
 def test_demo_mmdit_refuses_a_users_folder_and_its_params_are_the_mmdit_family(tmp_path, capsys):
     from sdforge.config import parse_params
     from tools import demo_mmdit
 
-    mine = _users_project(tmp_path / "mine")
-    before = _tree(tmp_path)
-    assert demo_mmdit.main(["--out", str(mine)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"--out {mine}: a folder with files that are not a previous demo_mmdit workspace")
-    assert "\n" not in err and _tree(tmp_path) == before
+    _refuses_a_users_folder(demo_mmdit, "demo_mmdit", tmp_path, capsys)
     params = parse_params(demo_mmdit.mmdit_params())
     assert params.models.denoiser.family == "mmdit" and list(params.phases) == [f"phase{i}" for i in range(9)]
     assert params.phases["phase8"].adapter.targets == ["attention", "context_attention"]
@@ -127,3 +132,17 @@ def test_demo_mmdit_runs_its_stages_without_the_preflights_malloc_threshold(monk
     assert "MALLOC_MMAP_THRESHOLD_" not in demo_mmdit.demo_env()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")  # the caller's own choice is kept
     assert demo_mmdit.demo_env()["MALLOC_MMAP_THRESHOLD_"] == "4096"
+
+
+def test_demo_sdxl_refuses_a_users_folder_and_its_params_are_the_three_setups(tmp_path, capsys):
+    from sdforge.config import parse_params
+    from tools import demo_sdxl
+
+    _refuses_a_users_folder(demo_sdxl, "demo_sdxl", tmp_path, capsys)
+    params = parse_params(demo_sdxl.sdxl_params())
+    assert params.models.denoiser.family == "sdxl"
+    assert list(params.phases) == ["phase0", "phase1", "phase8", "phase8_te", "phase8_nf4"]
+    setups = {p: params.phases[p].adapter for p in demo_sdxl.adapter_phases(demo_sdxl.sdxl_params())}
+    assert {p: (a.text_encoders, a.base_precision) for p, a in setups.items()} == {
+        "phase8": ([], "fp32"), "phase8_te": (["text_encoder", "text_encoder_2"], "fp32"), "phase8_nf4": ([], "nf4")}
+    assert {params.phases[p].init_from for p in setups} == {"phase1"}
