@@ -309,15 +309,11 @@ FAMILY_OBJECTIVES = {"unet": ("diffusion", "flow_matching"), "mmdit": ("flow_mat
 FAMILY_LACKS = {
     "unet": {},
     "mmdit": {
-        "adapter.words": "learned words are written into one text encoder's rows; the mmdit family has two, which "
-        "this version does not support — leave it []",
         "distill": "consistency distillation is not supported for the mmdit family yet — remove it",
         "controlnet": "its ControlNet (diffusers' SD3ControlNetModel) is not built yet — remove it, or train the "
         "ControlNet on a unet-family phase",
     },
     "sdxl": {
-        "adapter.words": "learned words are written into one text encoder's rows; the sdxl family has two, which "
-        "this version does not support — leave it [] (adapter.text_encoders trains a LoRA on both instead)",
         "distill": "consistency distillation is not supported for the sdxl family yet (its teacher solve does not "
         "carry the images' sizes) — remove it",
         "controlnet": "its ControlNet (SDXL's, with the sizes in its added conditions) is not built yet — remove "

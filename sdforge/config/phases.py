@@ -40,8 +40,9 @@ class Adapter(Section):
     words: list[str] = []
     """Tokenizer words whose input-embedding row trains next to the adapter (textual inversion / pivotal tuning,
     :mod:`model.learned_words`): each must be one token. The rows go to ``adapter*/learned_embeds.safetensors``
-    and every sampler of the phase (eval grid, ``generate``, export's ``text_encoder/``) uses them. The demo
-    learns its new colour word this way (docs/ADAPTERS.md)."""
+    (a family with two text encoders trains one row in each: ``learned_embeds_2.safetensors`` too) and every
+    sampler of the phase (eval grid, ``generate``, export's ``text_encoder*/``) uses them. The demo learns
+    its new colour word this way (docs/ADAPTERS.md)."""
     text_encoders: list[Literal["text_encoder", "text_encoder_2"]] = []
     """Text encoders that get a LoRA of the same type, rank, alpha and dropout on their attention projections
     (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``; :mod:`model.adapters`): ``text_encoder``, and

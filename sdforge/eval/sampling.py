@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from model.denoisers import DenoiserFamily, family_for_config, family_of
-from model.learned_words import LEARNED_WORDS_FILE, single_token_id, write_rows
+from model.learned_words import learned_words_file, single_token_id, write_rows
 from model.sampler import (
     decode_to_uint8,
     latent_shape_for,
@@ -181,15 +181,13 @@ def load_pipeline(
     state = checkpoint_state(checkpoint_dir)
     unet, adapter = _load_denoiser(checkpoint_dir, weights, use_ema, fuse_adapter, denoiser_family)
     text = _load_text(models_dir, denoiser_family, dev, adapter, fuse_adapter)
-    words = checkpoint_dir / ("adapter_ema" if use_ema else "adapter") / LEARNED_WORDS_FILE
-    if words.is_file():
-        apply_learned_words(text.encoders[0], text.tokenizers[0], words)
+    words = apply_phase_words(text, checkpoint_dir / ("adapter_ema" if use_ema else "adapter"))
     return Pipeline(
         unet=unet.to(dev).eval(),
         vae=_load(AutoencoderKL, models_dir / "vae", REPREPARE).to(dev).eval(),
         text=text,
         train_scheduler_config=dict(DDPMScheduler.load_config(models_dir / "scheduler")),
-        checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, words) if p is not None and p.exists())),
+        checkpoint_hash=checkpoint_hash(weights, *(p for p in (adapter, *words) if p is not None and p.exists())),
         objective=state.get("objective", "diffusion"),
         flow_shift=float(state.get("flow_shift", 1.0)),
         distill=state.get("distill"),
@@ -241,6 +239,18 @@ def _load_denoiser(checkpoint_dir: Path, weights: Path, use_ema: bool, fuse_adap
         except Exception as err:  # noqa: BLE001 - a folder that does not load is the folder's fault: one line
             raise InputError(f"{folder}: cannot be loaded ({load_failure(err, with_type=True)}); {retrain}") from None
     return unet, adapter
+
+
+def apply_phase_words(text: TextStack, adapter_dir: Path) -> list[Path]:
+    """Write an adapter phase's learned words from ``adapter_dir`` into each of ``text``'s encoders that has a file
+    (:func:`model.learned_words.learned_words_file`); the files applied."""
+    applied = []
+    for index, (encoder, tokenizer) in enumerate(zip(text.encoders, text.tokenizers, strict=True)):
+        path = adapter_dir / learned_words_file(index)
+        if path.is_file():
+            apply_learned_words(encoder, tokenizer, path)
+            applied.append(path)
+    return applied
 
 
 def apply_learned_words(text_encoder, tokenizer, path: Path) -> None:

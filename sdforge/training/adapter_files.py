@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from model.adapters import merged, plain_state_dict
 from model.denoisers import family_of
-from model.learned_words import LEARNED_WORDS_FILE
+from model.learned_words import learned_words_file
 from model.quantization import dequantised_state, is_quantised
 from sdforge.eval.sampling import LORA_FILE
 from sdforge.io import atomic_write_bytes
@@ -49,9 +49,10 @@ def write_lora_folder(unet: torch.nn.Module, folder: Path, text_lora: dict[str, 
     return path
 
 
-def write_learned_words(vectors: dict[str, torch.Tensor], folder: Path) -> Path:
-    """``folder/learned_embeds.safetensors``: word → its learned input-embedding row (fp32)."""
-    path = folder / LEARNED_WORDS_FILE
+def write_learned_words(vectors: dict[str, torch.Tensor], folder: Path, encoder_index: int = 0) -> Path:
+    """``folder/learned_embeds.safetensors`` (``learned_embeds_2`` for the second text encoder, …): word → its
+    learned input-embedding row (fp32)."""
+    path = folder / learned_words_file(encoder_index)
     save_file({w: v.contiguous() for w, v in vectors.items()}, path, metadata={"format": "pt"})
     return path
 

@@ -79,15 +79,17 @@ class Conditioning:
         return self.adapted
 
     def learn_words(self, words: list[str], where: str) -> LearnedWords | None:
-        """Make the input-embedding rows of ``words`` trainable (:class:`model.learned_words.LearnedWords`, hooked
-        into the encoder); None for no words. An InputError naming ``where`` for a word that is not one token."""
+        """Make the input-embedding rows of ``words`` trainable in every text encoder of the family
+        (:class:`model.learned_words.LearnedWords`, hooked into each); None for no words. An InputError naming
+        ``where`` for a word that is not one token."""
         if not words:
             return None
         token_ids = [word_token_id(self.tokenizer, word, where) for word in words]
-        embedding = self.text_encoder.get_input_embeddings()
-        self.words = LearnedWords(words, token_ids, embedding).to(self.device)
-        self.words.attach(embedding)
-        log.info("%s: learning the embedding rows of %s (token ids %s)", where, words, token_ids)
+        embeddings = [encoder.get_input_embeddings() for encoder in self.text.encoders]
+        self.words = LearnedWords(words, token_ids, embeddings).to(self.device)
+        self.words.attach(embeddings)
+        log.info("%s: learning the embedding rows of %s (token ids %s) in %d text encoder(s)", where, words,
+                 token_ids, len(embeddings))  # fmt: skip
         return self.words
 
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 ADAPTER_DIR, ADAPTER_WEIGHTS = "adapter", "adapter_weights.safetensors"
 """An adapter phase's checkpoint holds the trained tensors only: ``adapter/adapter_weights.safetensors``."""
-WORDS_PARAM = "learned_words.vectors"
-"""The learned words' tensor among an adapter checkpoint's trained tensors."""
+WORDS_PREFIX = "learned_words"
+"""The learned words' tensors among an adapter checkpoint's trained tensors: ``learned_words.vectors`` (the first
+text encoder's), ``learned_words.vectors_2`` (the second's, sdxl and mmdit)."""
 
 
 class FullUNet:
@@ -117,13 +118,13 @@ class AdapterUNet(FullUNet):
         super().__init__(unet, dist)
 
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The adapter's tensors, the learned words' vectors (``learned_words.vectors``), then each adapted text
-        encoder's LoRA tensors (``text_encoder.<name>``, ``text_encoder_2.<name>``)."""
+        """The adapter's tensors, the learned words' vectors (``learned_words.vectors``, ``…vectors_2``), then each
+        adapted text encoder's LoRA tensors (``text_encoder.<name>``, ``text_encoder_2.<name>``)."""
         return super().named_trainable() + self._text_trainable()
 
     def _text_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trained tensors outside the UNet: the learned words', then the text encoders' LoRA."""
-        words = [(WORDS_PARAM, self.words.vectors)] if self.words is not None else []
+        words = [] if self.words is None else [(f"{WORDS_PREFIX}.{n}", p) for n, p in self.words.named_parameters()]
         return words + [(f"{name}.{n}", p) for name, encoder in self.text_lora.items()
                         for n, p in encoder.named_parameters() if p.requires_grad]  # fmt: skip
 
@@ -135,7 +136,8 @@ class AdapterUNet(FullUNet):
         counts["trainable_params"] += outside
         counts["trainable_share"] = round(counts["trainable_params"] / counts["unet_params"], 6)
         if self.text_lora:
-            counts["text_lora_params"] = outside - (self.words.vectors.numel() if self.words is not None else 0)
+            word_tables = [] if self.words is None else self.words.tables()
+            counts["text_lora_params"] = outside - sum(t.numel() for t in word_tables)
         quantised = getattr(self.unet, "sdforge_quantisation", {})  # adapter.base_precision: nf4 / int8
         counts.update({f"quantisation.{k}": v for k, v in quantised.items()})
         return counts
@@ -179,7 +181,8 @@ class AdapterUNet(FullUNet):
         """``out_dir/adapter_dir`` (diffusers LoRA file) and ``out_dir/unet_dir`` (plain UNet)."""
         write_lora_folder(self.unet, out_dir / adapter_dir, self.text_lora)
         if self.words is not None:
-            write_learned_words(self.words.as_dict(), out_dir / adapter_dir)
+            for index, vectors in enumerate(self.words.as_dicts()):
+                write_learned_words(vectors, out_dir / adapter_dir, index)
         write_plain_unet(self.unet, out_dir / unet_dir, merge=self.spec.merge)
 
     def describe(self) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from model.denoisers import family
 from model.diffusion import LossDraws
@@ -120,9 +121,10 @@ def test_the_export_samples_like_generate_pixel_for_pixel(straight, tmp_path):
 ADAPTERS = {
     "unet_attention": {"rank": 2, "targets": ["self_attention"], "merge": False},
     "with_text_encoders": {"rank": 2, "targets": ["self_attention"], "merge": False,
-                           "text_encoders": ["text_encoder", "text_encoder_2"]},
+                           "text_encoders": ["text_encoder", "text_encoder_2"], "words": ["red"]},
 }  # fmt: skip
-"""The issue's setups (a) a LoRA on the UNet's self-attention, (b) the same plus a LoRA on both text encoders."""
+"""The issue's setups (a) a LoRA on the UNet's self-attention, (b) the same plus a LoRA on both text encoders, here
+with a learned word (one row in each encoder): the parity and resume checks cover its two files too."""
 
 
 def adapter_workspace(straight: Path, root: Path, adapter: dict) -> Path:
@@ -180,6 +182,22 @@ def test_the_text_encoders_lora_trains_and_is_counted(adapted, setup):
     assert metrics["trainable_params"] == sum(v.numel() for v in layers.values())
 
 
+def test_a_learned_word_trains_one_row_in_each_text_encoder_and_samples_with_both(adapted):
+    root = adapted["with_text_encoders"]
+    folder = root / "checkpoints/phase2/adapter_ema"
+    assert sorted(p.name for p in folder.glob("learned_embeds*")) == ["learned_embeds.safetensors",
+                                                                      "learned_embeds_2.safetensors"]  # fmt: skip
+    pipe = load_pipeline(root / "models", root / "checkpoints/phase2", device="cpu")
+    token = pipe.text.tokenizers[0]("red", add_special_tokens=False).input_ids[0]
+    start = load_pipeline(root / "models", root / "checkpoints/phase1", device="cpu").text.encoders
+    for index, name in enumerate(["learned_embeds", "learned_embeds_2"]):
+        vector = load_file(folder / f"{name}.safetensors")["red"]
+        row = pipe.text.encoders[index].get_input_embeddings().weight[token]
+        assert torch.equal(row, vector), name  # the sampler reads the word through the phase's row
+        live = load_file(folder.with_name("adapter") / f"{name}.safetensors")["red"]
+        assert not torch.equal(live, start[index].get_input_embeddings().weight[token].detach()), name  # it trained
+
+
 def test_sigkill_then_resume_is_bit_identical_with_the_text_encoders_lora(adapted, tmp_path):
     """(b) covers (a)'s path too: the same UNet LoRA, plus the tensors outside the UNet."""
     root = adapted["with_text_encoders"]
@@ -195,7 +213,6 @@ def test_sigkill_then_resume_is_bit_identical_with_the_text_encoders_lora(adapte
 
 REFUSED = {
     "adapter.targets: \\['pooled_text'\\] are not layer": {"adapter": {"rank": 2, "targets": ["pooled_text"]}},
-    "adapter.words: learned words .* sdxl family has two": {"adapter": {"targets": ["proj"], "words": ["a"]}},
     "adapter.*text_encoders: a LoRA on the text encoders needs merge: false": {
         "adapter": {"targets": ["proj"], "text_encoders": ["text_encoder"]}},
     "adapter.*base_precision nf4: a quantised base needs merge: true": {
