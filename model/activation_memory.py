@@ -168,3 +168,21 @@ def _unit_flops(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> 
     flops = {u: float(sum(by_module.get(f"{root}.{u}" if u else root, {}).values())) for u in units}
     flops[OUTSIDE] = max(0.0, total - sum(flops.values()))
     return flops
+
+
+def as_fake_tensors(module: torch.nn.Module, mode, device: torch.device) -> torch.nn.Module:
+    """Turn ``module``'s ``meta`` parameters and buffers into fake tensors of ``mode`` (a
+    ``torch._subclasses.fake_tensor.FakeTensorMode``) on ``device``: shapes and dtypes without storage, so a
+    full-size model's training forward runs under ``mode`` as it would on ``device`` (the same kernels chosen,
+    e.g. the CPU's flash attention), and :func:`measure_profile` measures it without the memory. In place;
+    ``requires_grad`` kept. (``module.to()`` cannot do this: it swaps fake parameters and fails.)"""
+    converter = mode.fake_tensor_converter
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                fake = converter.from_meta_and_device(mode, param, device)
+                sub._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = converter.from_meta_and_device(mode, buffer, device)
+    return module

@@ -23,6 +23,8 @@ NF4_BLOCK = 64
 """Weights per NF4 block (one absmax scale each): the QLoRA paper's."""
 NF4_SCALER_BLOCK = 256
 """Scales per block of the second quantisation (8-bit scales, one fp32 factor each); smaller where a layer is."""
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+"""What an NF4 weight holds per weight: its 4-bit code, its block's 8-bit scale, the scales' fp32 factor (0.516 B)."""
 QUANTISED = ("nf4", "int8")
 
 

@@ -38,11 +38,12 @@ from typing import Any
 import yaml
 
 from flows.dvc_ops.dag import upstream_stages
-from sdforge.config import ConfigError, load_params
+from sdforge.config import ConfigError, load_params, parse_params
 from sdforge.demo.http_server import serve_directory
 from sdforge.eval.sampling import saved_family
 from sdforge.io import InputError
 from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
+from sdforge.preflight.adapter_memory import adapter_phases, measure_setup, memory_rows, memory_table
 from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
 from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
@@ -347,6 +348,29 @@ def preflight(args: argparse.Namespace) -> int:
     return 0 if totals else 1
 
 
+def memory_forecast(args: argparse.Namespace) -> int:
+    """``--memory``: each adapter phase's peak GPU memory at full size, measured on fake tensors
+    (:mod:`sdforge.preflight.adapter_memory`); printed as a table and a JSON line; no DAG runs, nothing is written."""
+    try:
+        params = parse_params(read_params(Path(args.params), overlays(args.overlay)), origin=args.params)
+    except PreflightFailed as err:
+        print(f"PREFLIGHT FAILED: {err}")
+        return 1
+    phases = args.phase or adapter_phases(params)
+    unknown = [p for p in phases if p not in params.phases or params.phases[p].adapter is None]
+    if not phases or unknown:
+        print(f"PREFLIGHT FAILED: --memory forecasts adapter phases; {unknown or 'the configuration has none'} "
+              f"(its adapter phases: {adapter_phases(params) or 'none'}; add one with --overlay)")  # fmt: skip
+        return 1
+    t0 = time.perf_counter()
+    rows = memory_rows([measure_setup(params, phase) for phase in phases], args.budget_gib)
+    print(memory_table(rows, args.budget_gib))
+    print(json.dumps({"memory": rows}))
+    print(f"RESULT name=preflight_memory ok=true phases={len(rows)} family={params.models.denoiser.family} "
+          f"wall_s={time.perf_counter() - t0:.0f} device=fake-cpu")  # fmt: skip
+    return 0
+
+
 def read_params(path: Path, overlays: list[Path] = ()) -> dict[str, Any]:
     """The params file with ``overlays`` merged in (mappings key by key: an optional phase such as
     configs/full/distill.yaml's), once it validates (a :class:`PreflightFailed` naming the key otherwise)."""
@@ -408,6 +432,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--encode-img-s", type=float, default=pod.encode_img_s, help="per GPU (assumed)")
     parser.add_argument("--fetch-img-s", type=float, default=pod.fetch_img_s, help="per pod (assumed)")
     parser.add_argument("--price-per-gpu-hour", type=float, default=pod.price_per_gpu_hour, help="USD (assumed)")
+    parser.add_argument("--memory", action="store_true",
+                        help="forecast each adapter phase's peak GPU memory at full size instead (no DAG, no weights: "
+                             "the real architectures on fake tensors, ~2-4 min a phase; docs/SDXL.md)")  # fmt: skip
+    parser.add_argument("--phase", action="append", default=None, help="with --memory: only these phases")
+    parser.add_argument("--budget-gib", type=float, nargs="+", default=[16.0, 24.0],
+                        help="with --memory: the card sizes to fit (GiB; default 16 24)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sdforge preflight", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return preflight(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return memory_forecast(args) if args.memory else preflight(args)
 
 
 if __name__ == "__main__":
