@@ -5,7 +5,7 @@
 #   make demo-controlnet  the demo + a ControlNet phase placing small shapes (workspace .demo-controlnet/)
 #   make demo-mmdit   the demo's whole DAG with a tiny MM-DiT (SD3's backbone) instead of the UNet (.demo-mmdit/)
 #   make demo-sdxl    a tiny SDXL base taught a new colour by three adapter setups (.demo-sdxl/)
-#   make test         ruff + the fast tests (slow and gpu deselected); `make test-all` includes slow
+#   make test         ruff + the fast tests (slow, gpu and multi-rank deselected); `make test-ranks`: the multi-rank ones
 #   make stack-up     local Prefect server + work pool + deployments + process worker (logs in .stack/)
 #   make stack-up-s3  the same + MLflow server (artifacts on S3) + moto's S3 server on loopback (local test)
 #   make stack-down   stop the worker (SIGINT first), then MLflow, the server, S3
@@ -47,7 +47,7 @@ export SDFORGE_ROOT := $(CURDIR)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # MLFLOW_TRACKING_URI is left alone: unset, the stages use params.yaml's tracking.mlflow_uri.
 
-.PHONY: help venv demo demo-recaption demo-controlnet demo-mmdit demo-sdxl preflight test test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
+.PHONY: help venv demo demo-recaption demo-controlnet demo-mmdit demo-sdxl preflight test test-ranks test-all lint stack-up stack-up-s3 stack-down stack-status run-phase mlflow-ui clean-outputs
 
 help:
 	@sed -n 's/^#   //p' $(firstword $(MAKEFILE_LIST))
@@ -119,6 +119,11 @@ lint: venv
 TEST_WORKERS ?= 2
 test: venv lint
 	pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25   # the 25 slowest: where the time goes
+
+# The tests that start several training processes at once (torchrun ranks, FSDP, pods, world-size changes): each
+# rank imports the stack (~10 s here), so they are the suite's slowest and run apart; .ci/run runs both targets.
+test-ranks: venv
+	pytest -m 'ranks and not slow and not gpu' -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 test-all: venv lint
 	pytest -m 'not gpu'

@@ -30,6 +30,8 @@ from sdforge.training.exits import PREEMPTED
 from sdforge.training.launch import NODE_RANK_ENV
 from tests.fixtures.training import DDP_MAX_ABS_DIFF, REPO, run_node_agents, untrained_clone, weights
 
+pytestmark = pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it)
+
 
 def _free_port() -> int:
     with socket.socket() as s:

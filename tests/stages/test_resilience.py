@@ -159,6 +159,7 @@ def _resume_on(params: Path, then: int) -> subprocess.CompletedProcess:
     # test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size
     [pytest.param(2, 1, 4, 2, marks=pytest.mark.slow), (1, 2, 3, 4)],
 )
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_resume_on_another_world_size_trains_every_sample_exactly_once(
     straight, killed, tmp_path, first, then, kill_at, accum
 ):
@@ -171,6 +172,7 @@ def test_resume_on_another_world_size_trains_every_sample_exactly_once(
     print(f"{first} → {then} ranks: max |Δ weight| vs straight = {_same_weights(straight, tmp_path, MAX_ABS_DIFF):.3g}")
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(killed, tmp_path):
     resumed = _resume_on(killed(1, 3, 4, tmp_path), 3)  # the 1 → 2 ranks test's killed run, resumed on 3
     assert resumed.returncode != 0  # every rank exits 2 with the message; torchrun reports 1
@@ -178,6 +180,7 @@ def test_a_global_batch_the_new_world_cannot_split_is_a_named_error(killed, tmp_
     assert "phases.phase1.batch_size" in resumed.stderr and "train.nproc_per_node" in resumed.stderr
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_rank_planning_other_batches_is_caught_before_step_0(fresh_workspace, tmp_path):
     params = fresh_workspace
     _set(params, nproc_per_node=2)
@@ -189,6 +192,7 @@ def test_a_rank_planning_other_batches_is_caught_before_step_0(fresh_workspace, 
     assert not steps.is_file() or not steps.read_text()  # no step was trained
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_stuck_rank_trips_the_watchdog_with_stacks_in_the_log(fresh_workspace, tmp_path):
     params = fresh_workspace
     data = yaml.safe_load(params.read_text())
@@ -220,6 +224,7 @@ def test_the_split_prefers_the_configured_micro_batch():
         choose_split(256, 32, 3, "p")
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_ranks_that_disagree_are_named_on_every_rank():
     """The check itself on a real 2-process gloo group."""
     import torch.multiprocessing as mp
@@ -261,6 +266,7 @@ def _disagreeing_rank(rank: int, port: int, queue) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_run_killed_before_its_first_checkpoint_keeps_its_global_batch_on_another_world_size(
     straight, killed, tmp_path
 ):

@@ -21,6 +21,8 @@ from tests.fixtures.training import DDP_MAX_ABS_DIFF, train, untrained_clone, we
 
 STEPS = 20
 
+pytestmark = pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it)
+
 
 def _workspace(straight: Path, root: Path, parallel: str, nproc: int) -> Path:
     params = untrained_clone(straight, root)

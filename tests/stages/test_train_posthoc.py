@@ -145,6 +145,7 @@ def test_every_candidate_can_be_read_back_and_scored_offline(straight, tmp_path)
     assert all(torch.equal(before[n], t) for n, t in weights(root, "phase1", "unet_ema").items())  # untouched
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_two_sharded_ranks_killed_and_resumed_snapshot_and_choose_like_one_process(straight, tmp_path):
     """``train.parallel: fsdp`` on 2 ranks (batch 4 each: the same global batch), SIGKILLed after step 3's snapshot
     and resumed from step 2's sharded checkpoint (the tracked EMAs among its shards): every snapshot holds the whole

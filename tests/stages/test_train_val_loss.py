@@ -56,6 +56,7 @@ def test_val_loss_every_n_steps_and_at_the_end_and_it_changes_no_weight(workspac
     assert again[3]["val_loss"] == measured[3]["val_loss"]
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_two_ranks_measure_on_the_main_rank_and_agree_with_one(workspace, tmp_path):
     """DDP: rank 0 measures while rank 1 waits in the next step (no hang); the values match one process's."""
     one = untrained_clone(workspace.parent, tmp_path / "one")

@@ -114,6 +114,7 @@ def test_sharded_state_round_trips_through_dcp(one_rank_group, tmp_path, sharded
     assert filled["ema"]["decay"] == 0.99 and float(filled["optimizer"]["state"][0]["step"]) == 3.0
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_sharded_run_needs_one_run_dir_every_rank_sees(tmp_path):
     """2 gloo ranks, each given its own folder (what two nodes with their own disks see): every rank gets the error
     naming rank 1 and what to do. (One shared folder passes in every sharded stage test, which leave no probe.)"""

@@ -119,6 +119,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.ranks  # several training processes at once: `make test-ranks` (CI runs it after `make test`)
 def test_a_failure_on_one_rank_moves_every_rank_to_the_previous_checkpoint(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
