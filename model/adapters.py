@@ -91,6 +91,9 @@ def add_adapter(model: torch.nn.Module, config: LoraConfig) -> list[tuple[str, t
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError(f"adapter targets {config.target_modules!r} added no trainable weights")
+    for _, param in trainable:  # peft gives each adapter its base layer's dtype: on a bf16-held base, back to fp32
+        if param.dtype != torch.float32:
+            param.data = param.data.float()
     return trainable
 
 

@@ -49,10 +49,11 @@ class Adapter(Section):
     ``text_encoder_2`` for a family with two. The empty prompt's embedding is then recomputed with the adapted
     encoders wherever CFG needs it; ``adapter*/`` holds their layers in the same LoRA file
     (``load_lora_weights`` reads all). Needs ``merge: false`` (the encoders are not the phase's to merge into)."""
-    base_precision: Literal["fp32", "nf4", "int8"] = "fp32"
-    """How the frozen denoiser's linear layers are held while the adapter trains on them: as loaded, or quantised
-    (QLoRA: torchao's 4-bit NF4 or 8-bit weight-only, :mod:`model.quantization`; ``pip install torchao``). A
-    quantised base needs ``merge: true`` (``unet*/`` = the dequantised base + the adapter, what the phase trained) and
+    base_precision: Literal["fp32", "bf16", "nf4", "int8"] = "fp32"
+    """How the frozen denoiser's linear layers are held while the adapter trains on them: as loaded; in bf16 (linear
+    and convolution weights: half the bytes, bf16's rounding as the error; plain torch); or quantised (QLoRA:
+    torchao's 4-bit NF4 or 8-bit weight-only, :mod:`model.quantization`; ``pip install torchao``). A base below fp32
+    needs ``merge: true`` (``unet*/`` = the dequantised base + the adapter, what the phase trained) and
     ``type: lora``."""
     merge: bool = True
     """true: ``unet/`` and ``unet_ema/`` hold base + adapter merged (what the next phase, the eval grid and
@@ -81,7 +82,7 @@ class Adapter(Section):
             raise ValueError("text_encoders: a LoRA on the text encoders needs merge: false (the shared text "
                              "encoders are not merged into; sampling and export apply the LoRA file)")  # fmt: skip
         if self.base_precision != "fp32" and (not self.merge or self.type != "lora"):
-            raise ValueError(f"base_precision {self.base_precision}: a quantised base needs merge: true (its "
+            raise ValueError(f"base_precision {self.base_precision}: a base below fp32 needs merge: true (its "
                              "samplers read the dequantised base + the adapter) and type: lora")  # fmt: skip
         return self
 

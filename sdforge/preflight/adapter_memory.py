@@ -12,7 +12,8 @@ profile into a peak per micro-batch, with nothing or every unit checkpointed.
 
 **What a rank holds**, per setup:
 
-- the frozen denoiser as the trainer holds it: fp32 (``adapter.base_precision: fp32``), or NF4 linear weights
+- the frozen denoiser as the trainer holds it: fp32 (``adapter.base_precision: fp32``), bf16 linear and convolution
+  weights (``bf16``: held so in the fake model, its activations measured), or NF4 linear weights
   (:data:`model.quantization.NF4_BYTES_PER_WEIGHT`) with the rest fp32;
 - its trained tensors (the LoRA/DoRA, the text encoders' LoRA, learned words): 16 B each (weight, EMA, AdamW's two
   moments; the gradients are freed before the forward's peak, as the memory plan counts);
@@ -45,7 +46,7 @@ from model.activation_memory import (
 )
 from model.adapters import add_adapter, add_text_adapter, lora_config, target_pattern
 from model.denoisers import DenoiserFamily, family
-from model.quantization import NF4_BLOCK, NF4_BYTES_PER_WEIGHT
+from model.quantization import NF4_BLOCK, NF4_BYTES_PER_WEIGHT, quantise_linears
 from model.text_stack import text_part_dirs
 from sdforge.architectures import build_random_text_encoder
 from sdforge.config import Params
@@ -101,7 +102,7 @@ def measure_setup(params: Params, phase: str) -> SetupMemory:
     with mode:
         profile = activation_profile(unet, denoiser_family, torch.device("cpu"), True, latent_hw)
     trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
-    frozen = sum(p.numel() * 4 for p in unet.parameters() if not p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in unet.parameters() if not p.requires_grad)
     if spec.base_precision == "nf4":
         profile, frozen = _as_nf4(unet, profile, frozen)
     encoders, text_trainable = _fake_text_encoders(params, denoiser_family, spec, mode)
@@ -140,10 +141,12 @@ def _fake_mode():
 
 
 def _fake_denoiser(params: Params, denoiser_family: DenoiserFamily, spec, mode) -> torch.nn.Module:
-    """The full-size denoiser with the phase's adapter (as :func:`sdforge.training.model_setup` adds it, without
-    the quantisation), as fake CPU tensors in train mode."""
+    """The full-size denoiser with the phase's adapter (as :func:`sdforge.training.model_setup` adds it; a bf16 base
+    held so, a quantised one not: see :func:`_as_nf4`), as fake CPU tensors in train mode."""
     with torch.device("meta"):
         unet = denoiser_family.build(denoiser_family.config(params.models.denoiser_spec), seed=0)
+        if spec.base_precision == "bf16":
+            quantise_linears(unet, "bf16")
         pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
         add_adapter(unet, lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern))
     return as_fake_tensors(unet, mode, torch.device("cpu")).train()

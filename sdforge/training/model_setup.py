@@ -141,7 +141,7 @@ def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: Den
                              "'.[qlora]' (docs/SDXL.md \"A quantised base\")") from None  # fmt: skip
         error = quantisation_error(before, unet)
         unet.sdforge_quantisation = {"layers": len(layers), **error}
-        log.info("adapter.base_precision %s: %d linear layers quantised (max |error| %.3g, relative %.3g); the frozen "
+        log.info("adapter.base_precision %s: %d layers held so (max |error| %.3g, relative %.3g); the frozen "
                  "UNet holds %.1f MiB", spec.base_precision, len(layers), error["max_abs_error"], error["rel_error"],
                  sum(held_bytes(t) for t in unet.state_dict().values()) / 2**20)  # fmt: skip
     add_adapter(unet, config)

@@ -137,6 +137,19 @@ def adapter_workspace(straight: Path, root: Path, adapter: dict) -> Path:
     return params
 
 
+def assert_adapter_resumes(done: Path, clone: Path, adapter: dict, subs=("adapter", "adapter_ema")) -> None:
+    """``done``'s phase 2 trained again in ``clone``, SIGKILLed at :data:`KILL_AT` then rerun: its ``subs`` weight
+    folders equal ``done``'s bit for bit."""
+    params = adapter_workspace(done, clone, adapter)
+    died = train(params, "phase2", kill_at=KILL_AT)
+    assert died.returncode != 0
+    resumed = train(params, "phase2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for sub in subs:
+        a, b = weights(done, "phase2", sub), weights(clone, "phase2", sub)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+
+
 @pytest.fixture(scope="module")
 def adapted(straight, tmp_path_factory) -> dict[str, Path]:
     """Each setup's phase 2, trained uninterrupted: setup → its workspace."""
@@ -200,22 +213,14 @@ def test_a_learned_word_trains_one_row_in_each_text_encoder_and_samples_with_bot
 
 def test_sigkill_then_resume_is_bit_identical_with_the_text_encoders_lora(adapted, tmp_path):
     """(b) covers (a)'s path too: the same UNet LoRA, plus the tensors outside the UNet."""
-    root = adapted["with_text_encoders"]
-    params = adapter_workspace(root, tmp_path, ADAPTERS["with_text_encoders"])
-    died = train(params, "phase2", kill_at=KILL_AT)
-    assert died.returncode != 0
-    resumed = train(params, "phase2")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for sub in ("adapter", "adapter_ema"):
-        a, b = weights(root, "phase2", sub), weights(tmp_path, "phase2", sub)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    assert_adapter_resumes(adapted["with_text_encoders"], tmp_path, ADAPTERS["with_text_encoders"])
 
 
 REFUSED = {
     "adapter.targets: \\['pooled_text'\\] are not layer": {"adapter": {"rank": 2, "targets": ["pooled_text"]}},
     "adapter.*text_encoders: a LoRA on the text encoders needs merge: false": {
         "adapter": {"targets": ["proj"], "text_encoders": ["text_encoder"]}},
-    "adapter.*base_precision nf4: a quantised base needs merge: true": {
+    "adapter.*base_precision nf4: a base below fp32 needs merge: true": {
         "adapter": {"targets": ["proj"], "base_precision": "nf4", "merge": False}},
     "distill: consistency distillation is not supported for the sdxl": {
         "adapter": {"targets": ["self_attention"], "merge": False}, "cfg_dropout": 0, "min_snr_gamma": None,
@@ -281,14 +286,7 @@ def test_an_nf4_base_trains_a_lora_and_reports_its_error(quantised, straight):
 
 
 def test_sigkill_then_resume_on_an_nf4_base_is_bit_identical(quantised, tmp_path):
-    params = adapter_workspace(quantised, tmp_path, NF4)
-    died = train(params, "phase2", kill_at=KILL_AT)
-    assert died.returncode != 0
-    resumed = train(params, "phase2")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for sub in ("adapter", "adapter_ema", "unet", "unet_ema"):
-        a, b = weights(quantised, "phase2", sub), weights(tmp_path, "phase2", sub)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
+    assert_adapter_resumes(quantised, tmp_path, NF4, ("adapter", "adapter_ema", "unet", "unet_ema"))
 
 
 def test_what_parity_an_nf4_phase_holds(quantised, tmp_path):
@@ -318,3 +316,40 @@ def test_what_parity_an_nf4_phase_holds(quantised, tmp_path):
     print(f"nf4 phase vs original base + load_lora_weights: latents max {latent_gap:.3g}; pixels max {gap.max()}, "
           f"mean {gap.mean():.3f} levels")
     assert latent_gap > 0 and gap.max() <= 64
+
+
+BF16 = {"rank": 2, "targets": ["self_attention"], "base_precision": "bf16"}
+"""(a)'s LoRA on a base held in bf16 (plain torch, no torchao), merged into the base it trained on."""
+
+
+@pytest.fixture(scope="module")
+def half_held(straight, tmp_path_factory) -> Path:
+    """The bf16-base phase 2 trained uninterrupted."""
+    root = tmp_path_factory.mktemp("sdxl-bf16")
+    done = train(adapter_workspace(straight, root, BF16), "phase2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root
+
+
+def test_a_bf16_base_halves_the_frozen_weights_and_resumes_bit_identically(half_held, straight, tmp_path):
+    metrics = json.loads((half_held / "metrics/train/phase2.json").read_text())
+    plain = json.loads((straight / "metrics/train/phase1.json").read_text())
+    assert metrics["quantisation.layers"] > 0 and 0 < metrics["quantisation.rel_error"] < 2**-8
+    saved_mib = plain["memory.weights_mib"] - metrics["memory.weights_mib"]
+    assert saved_mib > 0.45 * metrics["unet_params"] * 4 / 2**20  # its linear and conv weights: half their fp32 bytes
+    assert_adapter_resumes(half_held, tmp_path, BF16, ("adapter", "adapter_ema", "unet", "unet_ema"))
+    merged = weights(half_held, "phase2", "unet_ema")
+    assert all(v.dtype == torch.float32 for v in merged.values())  # written in the base's precision as loaded
+
+
+def test_a_bf16_phase_exports_what_generate_draws(half_held, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    models, checkpoint = half_held / "models", half_held / "checkpoints/phase2"
+    ours = np.stack(generate(load_pipeline(models, checkpoint, device="cpu"), PROMPTS, steps=3, guidance_scale=3.0,
+                             seeds=[1, 2])).astype(int)  # fmt: skip
+    export_pipeline(models, checkpoint, tmp_path / "export")
+    pipe = StableDiffusionXLPipeline.from_pretrained(tmp_path / "export")
+    theirs = pipe(PROMPTS, generator=[torch.Generator().manual_seed(s) for s in (1, 2)], negative_prompt="",
+                  num_inference_steps=3, guidance_scale=3.0, output_type="np", height=16, width=16).images
+    assert np.abs(ours - (theirs * 255).round().astype(int)).max() == 0
