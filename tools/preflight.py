@@ -43,9 +43,16 @@ from sdforge.demo.http_server import serve_directory
 from sdforge.eval.sampling import saved_family
 from sdforge.io import InputError
 from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
-from sdforge.preflight.adapter_memory import adapter_phases, measure_setup, memory_rows, memory_table
 from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
+from sdforge.preflight.phase_memory import (
+    adapter_phases,
+    forecast_phases,
+    measure_setup,
+    memory_rows,
+    memory_table,
+    unmodelled,
+)
 from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
 from sdforge.training.reporting import read_steps
 from tools.tiny_demo import merged
@@ -349,18 +356,22 @@ def preflight(args: argparse.Namespace) -> int:
 
 
 def memory_forecast(args: argparse.Namespace) -> int:
-    """``--memory``: each adapter phase's peak GPU memory at full size, measured on fake tensors
-    (:mod:`sdforge.preflight.adapter_memory`); printed as a table and a JSON line; no DAG runs, nothing is written."""
+    """``--memory``: each training phase's peak GPU memory at full size (by default the adapter phases when the
+    configuration has some, else every phase), measured on fake tensors (:mod:`sdforge.preflight.phase_memory`);
+    printed as a table and a JSON line; no DAG runs, nothing is written."""
     try:
         params = parse_params(read_params(Path(args.params), overlays(args.overlay)), origin=args.params)
     except PreflightFailed as err:
         print(f"PREFLIGHT FAILED: {err}")
         return 1
-    phases = args.phase or adapter_phases(params)
-    unknown = [p for p in phases if p not in params.phases or params.phases[p].adapter is None]
-    if not phases or unknown:
-        print(f"PREFLIGHT FAILED: --memory forecasts adapter phases; {unknown or 'the configuration has none'} "
-              f"(its adapter phases: {adapter_phases(params) or 'none'}; add one with --overlay)")  # fmt: skip
+    phases = args.phase or adapter_phases(params) or forecast_phases(params)
+    unknown = [p for p in phases if p not in params.phases]
+    if unknown:
+        print(f"PREFLIGHT FAILED: --memory: no phase {unknown} (the configuration's: {params.phase_names()})")
+        return 1
+    refused = {p: unmodelled(params, p) for p in phases if unmodelled(params, p)}
+    if refused:
+        print(f"PREFLIGHT FAILED: --memory does not forecast {refused}")
         return 1
     t0 = time.perf_counter()
     rows = memory_rows([measure_setup(params, phase) for phase in phases], args.budget_gib)
@@ -433,8 +444,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch-img-s", type=float, default=pod.fetch_img_s, help="per pod (assumed)")
     parser.add_argument("--price-per-gpu-hour", type=float, default=pod.price_per_gpu_hour, help="USD (assumed)")
     parser.add_argument("--memory", action="store_true",
-                        help="forecast each adapter phase's peak GPU memory at full size instead (no DAG, no weights: "
-                             "the real architectures on fake tensors, ~2-4 min a phase; docs/SDXL.md)")  # fmt: skip
+                        help="forecast each training phase's peak GPU memory at full size instead (the adapter "
+                             "phases, or every phase when there are none; no DAG, no weights: the real architectures "
+                             "on fake tensors, ~1-4 min a phase; docs/SDXL.md, docs/MMDIT.md)")  # fmt: skip
     parser.add_argument("--phase", action="append", default=None, help="with --memory: only these phases")
     parser.add_argument("--budget-gib", type=float, nargs="+", default=[16.0, 24.0],
                         help="with --memory: the card sizes to fit (GiB; default 16 24)")  # fmt: skip

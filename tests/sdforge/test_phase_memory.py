@@ -17,7 +17,7 @@ from model.adapters import add_adapter, lora_config, target_pattern
 from model.denoisers import family
 from model.quantization import NF4_BYTES_PER_WEIGHT
 from sdforge.config import parse_params
-from sdforge.preflight.adapter_memory import SetupMemory, measure_setup, memory_rows
+from sdforge.preflight.phase_memory import SetupMemory, measure_setup, memory_rows
 from sdforge.training.memory_plan import FACTOR_CHECKPOINTED, FACTOR_KEPT, GIB, USABLE_SHARE
 from sdforge.training.model_setup import activation_profile
 from tools.preflight import main as preflight_main
@@ -143,3 +143,26 @@ def test_the_cli_forecasts_every_adapter_phase_of_the_sdxl_overlay(tmp_path, cap
     assert by["sdxl_nf4"]["frozen_gib"] < by["sdxl_bf16"]["frozen_gib"] < by["sdxl_attention"]["frozen_gib"]
     assert out[-1].startswith("RESULT name=preflight_memory ok=true phases=5 family=sdxl")
     assert any(line.startswith("| sdxl_dora | dora r32") for line in out)
+
+
+def test_a_full_phase_holds_every_weight_with_its_posthoc_profiles_and_the_cli_forecasts_each_phase(tmp_path, capsys):
+    """configs/full/mmdit.yaml has no adapter phase: ``--memory`` forecasts every phase, each holding all of the
+    denoiser's weights as trained (fp32 weight, AdamW's two moments, the EMA, and phase 1's two post-hoc profiles)."""
+    data = merged(yaml.safe_load((REPO / "configs/full/params.yaml").read_text()),
+                  yaml.safe_load((REPO / "configs/full/mmdit.yaml").read_text()))  # fmt: skip
+    tiny = yaml.safe_load((REPO / "configs/demo-mmdit/overlay.yaml").read_text())["models"]["mmdit"]
+    data["models"]["mmdit"] = {**tiny, "joint_attention_dim": 2048, "pooled_projection_dim": 2048, "sample_size": 64,
+                               "pos_embed_max_size": 96}  # fmt: skip
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    params = parse_params(data)
+    phase1 = measure_setup(params, "phase1")
+    weights = sum(p.numel() for p in family("mmdit").build(family("mmdit").config(params.models.denoiser_spec),
+                                                          seed=0).parameters())  # fmt: skip
+    assert phase1.trainable == weights and phase1.frozen_bytes == 0 and phase1.setup == "every weight"
+    assert phase1.trained_bytes == weights * (16 + 4 * len(params.train.posthoc_sigma_rels))
+    assert phase1.latent_hw == (64, 64)  # px512's largest bucket, 512², through SD's VAE
+    assert preflight_main(["--params", str(tmp_path / "params.yaml"), "--overlay", "none", "--memory",
+                           "--phase", "phase0", "--phase", "phase1"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-2])["memory"]
+    assert [r["phase"] for r in rows] == ["phase0", "phase1"] and rows[0]["latent"] == "32x32"  # 256²
+    assert rows[0]["peak_b1_gib"] < rows[1]["peak_b1_gib"]  # a quarter of the tokens

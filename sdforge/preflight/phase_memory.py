@@ -1,8 +1,8 @@
-"""Peak GPU memory of an adapter phase at full size, forecast on a CPU without the weights (``sdforge preflight
---memory``; docs/SDXL.md "Memory at full size").
+"""Peak GPU memory of a training phase at full size — every weight trained, or an adapter — forecast on a CPU
+without the weights (``sdforge preflight --memory``; docs/SDXL.md "Memory at full size", docs/MMDIT.md).
 
 **How.** The phase's denoiser (the configuration's full architecture) and its text encoders are built on ``meta``,
-the phase's adapter is added as training adds it, and every weight becomes a fake CPU tensor
+the phase's adapter (if any) is added as training adds it, and every weight becomes a fake CPU tensor
 (:func:`model.activation_memory.as_fake_tensors`: shapes and dtypes, no storage). The trainer's own activation probe
 (:func:`sdforge.training.model_setup.activation_profile`: the training forward at batch 1 and 2 under bf16 autocast)
 then measures what each checkpoint unit keeps for the backward, in seconds and without the memory. On the SD1.5 UNet
@@ -15,8 +15,10 @@ profile into a peak per micro-batch, with nothing or every unit checkpointed.
 - the frozen denoiser as the trainer holds it: fp32 (``adapter.base_precision: fp32``), bf16 linear and convolution
   weights (``bf16``: held so in the fake model, its activations measured), or NF4 linear weights
   (:data:`model.quantization.NF4_BYTES_PER_WEIGHT`) with the rest fp32;
-- its trained tensors (the LoRA/DoRA, the text encoders' LoRA, learned words): 16 B each (weight, EMA, AdamW's two
-  moments; the gradients are freed before the forward's peak, as the memory plan counts);
+- its trained tensors (every denoiser weight, or the LoRA/DoRA, the text encoders' LoRA, learned words): as
+  :func:`sdforge.training.memory_plan.rank_state_bytes` counts them — the fp32 weight, AdamW's two moments, the EMA
+  (on the card), the post-hoc EMA's profiles where the phase keeps them (16 B each, 24 B with two profiles; the
+  gradients are freed before the forward's peak, as the memory plan counts);
 - the text encoders in ``train.text_encoder_dtype`` (bf16 on CUDA) and, when they train a LoRA, what their forward
   keeps for the backward (always kept: checkpointing is the denoiser's);
 - the denoiser's activations, measured. Under bf16 autocast a frozen fp32 weight's bf16 copy is kept for the
@@ -51,7 +53,7 @@ from model.text_stack import text_part_dirs
 from sdforge.architectures import build_random_text_encoder
 from sdforge.config import Params
 from sdforge.ingest.buckets import shapes_of
-from sdforge.training.memory_plan import FACTOR_KEPT, GIB, STATE_BYTES_PER_PARAM, USABLE_SHARE, peak_bytes
+from sdforge.training.memory_plan import FACTOR_KEPT, GIB, USABLE_SHARE, peak_bytes
 from sdforge.training.model_setup import PROBE_TOKENS, activation_profile
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ BATCH_LIMIT = 64
 
 @dataclass(frozen=True)
 class SetupMemory:
-    """What one adapter phase holds on a rank at full size, and what its activations cost (bytes)."""
+    """What one training phase holds on a rank at full size, and what its activations cost (bytes)."""
 
     phase: str
     setup: str
@@ -93,8 +95,30 @@ def adapter_phases(params: Params) -> list[str]:
     return [name for name in params.phase_names() if params.phases[name].adapter is not None]
 
 
+def forecast_phases(params: Params) -> list[str]:
+    """The phases the forecast models, in order: every phase but a ControlNet's or a distillation's."""
+    return [name for name in params.phase_names() if not unmodelled(params, name)]
+
+
+def unmodelled(params: Params, phase: str) -> str | None:
+    """Why ``phase`` is not forecast (a ControlNet or distillation phase holds a second network), or None."""
+    spec = params.phases[phase]
+    if spec.controlnet is not None:
+        return "a ControlNet phase (the ControlNet beside the frozen denoiser is not modelled)"
+    if spec.distill is not None:
+        return "a distillation phase (the teacher's solve is not modelled)"
+    return None
+
+
+def trained_bytes_each(params: Params, phase: str) -> int:
+    """Bytes a rank holds per trained weight, as :func:`sdforge.training.memory_plan.rank_state_bytes` counts."""
+    cfg = params.train
+    posthoc = params.phases[phase].posthoc_ema and bool(cfg.posthoc_sigma_rels)
+    return 4 + 8 + (4 if cfg.ema_device == "model" else 0) + (4 * len(cfg.posthoc_sigma_rels) if posthoc else 0)
+
+
 def measure_setup(params: Params, phase: str) -> SetupMemory:
-    """The :class:`SetupMemory` of adapter phase ``phase`` at the largest bucket of its resolution."""
+    """The :class:`SetupMemory` of training phase ``phase`` at the largest bucket of its resolution."""
     spec, denoiser_family = params.phases[phase].adapter, family(params.models.denoiser.family)
     latent_hw = largest_latent(params, phase)
     mode = _fake_mode()
@@ -103,20 +127,25 @@ def measure_setup(params: Params, phase: str) -> SetupMemory:
         profile = activation_profile(unet, denoiser_family, torch.device("cpu"), True, latent_hw)
     trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in unet.parameters() if not p.requires_grad)
-    if spec.base_precision == "nf4":
+    if spec is not None and spec.base_precision == "nf4":
         profile, frozen = _as_nf4(unet, profile, frozen)
     encoders, text_trainable = _fake_text_encoders(params, denoiser_family, spec, mode)
-    text_per_sample, text_fixed = _text_activation_bytes(encoders, mode) if spec.text_encoders else (0.0, 0.0)
-    words = len(spec.words) * sum(int(e.get_input_embeddings().weight.shape[1]) for e in encoders.values())
+    text_lora = spec is not None and spec.text_encoders
+    text_per_sample, text_fixed = _text_activation_bytes(encoders, mode) if text_lora else (0.0, 0.0)
+    words = 0 if spec is None else len(spec.words) * sum(int(e.get_input_embeddings().weight.shape[1])
+                                                        for e in encoders.values())  # fmt: skip
     trained = trainable + text_trainable + words
     text_bytes = sum(p.numel() * p.element_size() for e in encoders.values() for p in e.parameters()
                      if not p.requires_grad)  # fmt: skip
-    return SetupMemory(phase, describe(spec), trained, frozen, trained * STATE_BYTES_PER_PARAM, text_bytes,
-                       text_per_sample, text_fixed, profile, latent_hw)  # fmt: skip
+    return SetupMemory(phase, describe(spec), trained, frozen, trained * trained_bytes_each(params, phase),
+                       text_bytes, text_per_sample, text_fixed, profile, latent_hw)  # fmt: skip
 
 
 def describe(spec) -> str:
-    """An adapter setup in a few words: type, rank, targets, text encoders, words, base precision."""
+    """A phase's setup in a few words: ``every weight``, or the adapter's type, rank, targets, text encoders, words,
+    base precision."""
+    if spec is None:
+        return "every weight"
     parts = [f"{spec.type} r{spec.rank} on {'+'.join(spec.targets)}"]
     if spec.text_encoders:
         parts.append(f"+ {' + '.join(spec.text_encoders)}")
@@ -141,14 +170,16 @@ def _fake_mode():
 
 
 def _fake_denoiser(params: Params, denoiser_family: DenoiserFamily, spec, mode) -> torch.nn.Module:
-    """The full-size denoiser with the phase's adapter (as :func:`sdforge.training.model_setup` adds it; a bf16 base
-    held so, a quantised one not: see :func:`_as_nf4`), as fake CPU tensors in train mode."""
+    """The full-size denoiser, every weight trained, or with the phase's adapter (as
+    :func:`sdforge.training.model_setup` adds it; a bf16 base held so, a quantised one not: see :func:`_as_nf4`), as
+    fake CPU tensors in train mode."""
     with torch.device("meta"):
-        unet = denoiser_family.build(denoiser_family.config(params.models.denoiser_spec), seed=0)
-        if spec.base_precision == "bf16":
+        unet = denoiser_family.build(denoiser_family.config(params.models.denoiser_spec), seed=0).requires_grad_(True)
+        if spec is not None and spec.base_precision == "bf16":
             quantise_linears(unet, "bf16")
-        pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
-        add_adapter(unet, lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern))
+        if spec is not None:
+            pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
+            add_adapter(unet, lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern))
     return as_fake_tensors(unet, mode, torch.device("cpu")).train()
 
 
@@ -164,7 +195,7 @@ def _fake_text_encoders(params: Params, denoiser_family: DenoiserFamily, spec, m
     for (folder, _), class_name, hub_id in parts:
         with torch.device("meta"):
             encoder = build_random_text_encoder(hub_id, 0, getattr(transformers, class_name)).to(dtype)
-            if folder in spec.text_encoders:
+            if spec is not None and folder in spec.text_encoders:
                 trained += sum(p.numel() for _, p in add_text_adapter(encoder, spec.type, spec.rank, spec.alpha,
                                                                       spec.dropout))  # fmt: skip
         encoders[folder] = as_fake_tensors(encoder, mode, torch.device("cpu")).train()
