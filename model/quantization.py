@@ -116,14 +116,18 @@ def _int8(model: torch.nn.Module, names: list[str]) -> list[str]:
 def is_quantised(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is one of :func:`quantise_linears`' weights: a torchao tensor subclass, or a bf16 tensor
     (the trainer holds every other denoiser weight in fp32)."""
-    return type(tensor).__module__.startswith("torchao.") or tensor.dtype == torch.bfloat16
+    return _is_torchao(tensor) or tensor.dtype == torch.bfloat16
+
+
+def _is_torchao(tensor: torch.Tensor) -> bool:
+    return type(tensor).__module__.startswith("torchao.")
 
 
 def dequantised(tensor: torch.Tensor) -> torch.Tensor:
     """A quantised weight as the fp32 tensor its layer computes with; any other tensor as it is."""
     if hasattr(tensor, "get_original_weight"):  # NF4Tensor
         return tensor.get_original_weight().float()
-    if type(tensor).__module__.startswith("torchao."):
+    if _is_torchao(tensor):
         return tensor.dequantize().float()
     if tensor.dtype == torch.bfloat16:
         return tensor.float()

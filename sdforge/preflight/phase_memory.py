@@ -53,7 +53,7 @@ from model.text_stack import text_part_dirs
 from sdforge.architectures import build_random_text_encoder
 from sdforge.config import Params
 from sdforge.ingest.buckets import shapes_of
-from sdforge.training.memory_plan import FACTOR_KEPT, GIB, USABLE_SHARE, peak_bytes
+from sdforge.training.memory_plan import FACTOR_KEPT, GIB, USABLE_SHARE, peak_bytes, state_bytes_per_trained
 from sdforge.training.model_setup import PROBE_TOKENS, activation_profile
 
 log = logging.getLogger(__name__)
@@ -111,10 +111,9 @@ def unmodelled(params: Params, phase: str) -> str | None:
 
 
 def trained_bytes_each(params: Params, phase: str) -> int:
-    """Bytes a rank holds per trained weight, as :func:`sdforge.training.memory_plan.rank_state_bytes` counts."""
-    cfg = params.train
-    posthoc = params.phases[phase].posthoc_ema and bool(cfg.posthoc_sigma_rels)
-    return 4 + 8 + (4 if cfg.ema_device == "model" else 0) + (4 * len(cfg.posthoc_sigma_rels) if posthoc else 0)
+    """Bytes a rank holds per trained weight (the fp32 weight and its state), as the trainer's memory plan counts."""
+    posthoc = params.phases[phase].posthoc_ema and bool(params.train.posthoc_sigma_rels)
+    return 4 + state_bytes_per_trained(params.train, posthoc)
 
 
 def measure_setup(params: Params, phase: str) -> SetupMemory:

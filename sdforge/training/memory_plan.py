@@ -151,10 +151,15 @@ def rank_state_bytes(model, cfg, posthoc: bool) -> float:
     ``train.cuda_graphs: step`` (kept between steps: the forward's peak holds it too); over the world size when
     sharded. ``model`` is a trained-model strategy object (:mod:`sdforge.training.trained_model`)."""
     weights = sum(p.numel() * p.element_size() for p in model.unet.parameters())
-    per_trained = 8 + (4 if cfg.ema_device == "model" else 0) + (4 * len(cfg.posthoc_sigma_rels) if posthoc else 0)
-    per_trained += 4 if cfg.cuda_graphs == "step" else 0
-    total = weights + per_trained * sum(p.numel() for p in model.trainable)
+    total = weights + state_bytes_per_trained(cfg, posthoc) * sum(p.numel() for p in model.trainable)
     return total / model.world if model.sharded else total
+
+
+def state_bytes_per_trained(cfg, posthoc: bool) -> int:
+    """What a rank holds for each trained weight besides the weight: AdamW's two moments, the EMA (with the model),
+    the post-hoc EMA's profiles when the phase keeps them, and the gradient under ``train.cuda_graphs: step``."""
+    per_trained = 8 + (4 if cfg.ema_device == "model" else 0) + (4 * len(cfg.posthoc_sigma_rels) if posthoc else 0)
+    return per_trained + (4 if cfg.cuda_graphs == "step" else 0)
 
 
 def budget_bytes(cfg, device) -> float | None:
