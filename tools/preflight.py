@@ -46,14 +46,14 @@ from sdforge.output_dirs import check_scratch_dir, mark_scratch_dir
 from sdforge.preflight.derive import COCO_DIR, HTTP_DIR, Shrink, derive_params, samples_needed
 from sdforge.preflight.forecast import GIB, Pod, StageRun, forecast, table
 from sdforge.preflight.phase_memory import (
-    adapter_phases,
     forecast_phases,
+    frozen_base_phases,
     measure_setup,
     memory_rows,
     memory_table,
     unmodelled,
 )
-from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_sample_source
+from sdforge.preflight.samples import COCO_SIDE, write_coco_val, write_control_image, write_sample_source
 from sdforge.training.reporting import read_steps
 from tools.tiny_demo import merged
 
@@ -66,6 +66,10 @@ COPIED = ("dvc.yaml", ".dvcignore", "stages", "sdforge", "model", "tools", "flow
 WORKSPACE_MARKER = ".sdforge-preflight"
 """Written first into ``--out``: only a folder holding it is replaced by the next preflight."""
 GENERATE_PROMPT = "a photo of a red fox in the snow"
+CONTROL_SIDE = 512
+"""The generate step's image side on a ControlNet phase (SD 1.5's native size), its condition's too."""
+CANNY_DEFAULT = {"low_threshold": 100, "high_threshold": 200}
+"""Canny thresholds when the params name none (ControlNet 1.1's annotator, as ``conditions.canny``'s defaults)."""
 
 
 class PreflightFailed(RuntimeError):
@@ -261,10 +265,16 @@ def run_dag(ws: Workspace, order: list[str], keep: bool) -> list[StageRun]:
 
 
 def run_user_commands(ws: Workspace) -> list[StageRun]:
-    """``sdforge export`` and ``sdforge generate`` (2 steps, one image) on the last phase, measured."""
+    """``sdforge export`` and ``sdforge generate`` (2 steps, one image) on the last phase, measured; a ControlNet
+    phase's under a Canny map of a drawn sample (:data:`CONTROL_SIDE` px square)."""
     cli = [sys.executable, "-m", "tools.cli"]
     export = run_step(ws, "export", [*cli, "export", "--out", "export", "--params", "params.yaml"])
     gen_cmd = [*cli, "generate", "--prompt", GENERATE_PROMPT, "--steps", "2", "--out", "generated"]
+    if list(ws.params["phases"].values())[-1].get("controlnet"):
+        thresholds = ws.params.get("conditions", {}).get("canny") or CANNY_DEFAULT
+        control = write_control_image(ws.root / "control.png", CONTROL_SIDE, thresholds)
+        side = str(CONTROL_SIDE)
+        gen_cmd += ["--control-image", str(control), "--width", side, "--height", side]
     generate = run_step(ws, "generate", [*gen_cmd, "--params", "params.yaml"])
     export.metrics = json.loads((ws.root / "export" / "sdforge_export.json").read_text())
     generate.metrics = {"images": len(list((ws.root / "generated").glob("*.png")))}
@@ -356,15 +366,16 @@ def preflight(args: argparse.Namespace) -> int:
 
 
 def memory_forecast(args: argparse.Namespace) -> int:
-    """``--memory``: each training phase's peak GPU memory at full size (by default the adapter phases when the
-    configuration has some, else every phase), measured on fake tensors (:mod:`sdforge.preflight.phase_memory`);
-    printed as a table and a JSON line; no DAG runs, nothing is written."""
+    """``--memory``: each training phase's peak GPU memory at full size (by default the phases that train beside a
+    frozen denoiser — adapters, ControlNets — when the configuration has some, else every phase), measured on fake
+    tensors (:mod:`sdforge.preflight.phase_memory`); printed as a table and a JSON line; no DAG runs, nothing is
+    written."""
     try:
         params = parse_params(read_params(Path(args.params), overlays(args.overlay)), origin=args.params)
     except PreflightFailed as err:
         print(f"PREFLIGHT FAILED: {err}")
         return 1
-    phases = args.phase or adapter_phases(params) or forecast_phases(params)
+    phases = args.phase or frozen_base_phases(params) or forecast_phases(params)
     unknown = [p for p in phases if p not in params.phases]
     if unknown:
         print(f"PREFLIGHT FAILED: --memory: no phase {unknown} (the configuration's: {params.phase_names()})")
@@ -445,8 +456,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price-per-gpu-hour", type=float, default=pod.price_per_gpu_hour, help="USD (assumed)")
     parser.add_argument("--memory", action="store_true",
                         help="forecast each training phase's peak GPU memory at full size instead (the adapter "
-                             "phases, or every phase when there are none; no DAG, no weights: the real architectures "
-                             "on fake tensors, ~1-4 min a phase; docs/SDXL.md, docs/MMDIT.md)")  # fmt: skip
+                             "and ControlNet phases, or every phase when there are none; no DAG, no weights: the real "
+                             "architectures on fake tensors, ~1-4 min a phase; docs/SDXL.md, docs/MMDIT.md, "
+                             "docs/CONTROL.md)")  # fmt: skip
     parser.add_argument("--phase", action="append", default=None, help="with --memory: only these phases")
     parser.add_argument("--budget-gib", type=float, nargs="+", default=[16.0, 24.0],
                         help="with --memory: the card sizes to fit (GiB; default 16 24)")  # fmt: skip

@@ -51,13 +51,24 @@ def held_out_controls(params: Params, phase: str, count: int) -> list[HeldOutCon
     """The first ``count`` held-out samples of ``phase`` that have a condition, with their captions; an InputError
     naming the keys to set when the phase holds none out."""
     held = held_out_path(Path(params.paths.mixes) / f"{phase}.parquet")
-    if not held.is_file() or not pq.read_metadata(held).num_rows:
+    if not holds_samples(held):
         raise InputError(f"eval_grid@{phase}: a ControlNet phase is scored on its held-out samples' conditions and "
                          f"captions; set train.held_out > 0 and re-run mix_phase@{phase}")  # fmt: skip
+    return index_controls(params, phase, held, count)
+
+
+def holds_samples(index: Path) -> bool:
+    """Whether the mix index (or held-out index) ``index`` exists and has a row."""
+    return index.is_file() and pq.read_metadata(index).num_rows > 0
+
+
+def index_controls(params: Params, phase: str, index: Path, count: int) -> list[HeldOutControl]:
+    """The first ``count`` samples of ``phase``'s mix index ``index`` (its held-out samples', or its training
+    samples') that have a condition, with their captions."""
     latents, resolution = Path(params.paths.latents), params.phase_resolution(phase)
-    data = LatentIndexDataset(held, latents, resolution)
+    data = LatentIndexDataset(index, latents, resolution)
     reader = condition_reader(params, phase, data)
-    keys = pq.read_table(held, columns=["source", "key"]).to_pylist()
+    keys = pq.read_table(index, columns=["source", "key"]).to_pylist()
     captions = _captions(latents, resolution, sorted({row["source"] for row in keys}))
     out = []
     for position, row in enumerate(keys):
@@ -88,7 +99,7 @@ def evaluate_control(pipe: Pipeline, controls: list[HeldOutControl], cfg: Eval, 
     (out_dir / CONTROL_DIR).mkdir(parents=True, exist_ok=True)
     cells, captions = [], []
     for i, (control, row) in enumerate(zip(controls, rows, strict=True)):
-        images = (_rgb(control.edges), row.pop("image"), row.pop("base_image"))
+        images = (condition_rgb(control.edges), row.pop("image"), row.pop("base_image"))
         for name, image in zip(("condition", "controlnet", "base"), images, strict=True):
             Image.fromarray(image).save(out_dir / CONTROL_DIR / f"{i:02d}_{name}.png")
         cells += images
@@ -105,7 +116,7 @@ def _scored(pipe: Pipeline, base: Pipeline, i: int, control: HeldOutControl, cfg
     height, width = control.edges.shape
     kwargs = {"negative_prompt": cfg.negative_prompt, "steps": cfg.steps, "guidance_scale": cfg.guidance_scale,
               "seeds": [cfg.seed + i], "width": width, "height": height}  # fmt: skip
-    image = generate(pipe, [control.caption], control_images=[_rgb(control.edges)], **kwargs)[0]
+    image = generate(pipe, [control.caption], control_images=[condition_rgb(control.edges)], **kwargs)[0]
     base_image = generate(base, [control.caption], **kwargs)[0]
     row = {"source": control.source, "key": control.key, "caption": control.caption, "image": image,
            "base_image": base_image}  # fmt: skip
@@ -134,7 +145,7 @@ def _rounded(value) -> float | None:
     return None if value is None or np.isnan(value) else round(float(value), 6)
 
 
-def _rgb(edges: np.ndarray) -> np.ndarray:
+def condition_rgb(edges: np.ndarray) -> np.ndarray:
     """An edge map as the RGB uint8 image a ControlNet pipeline reads (white edges on black)."""
     return np.repeat((edges * 255).astype(np.uint8)[..., None], 3, axis=2)
 

@@ -15,13 +15,15 @@ profile into a peak per micro-batch, with nothing or every unit checkpointed.
 - the frozen denoiser as the trainer holds it: fp32 (``adapter.base_precision: fp32``), bf16 linear and convolution
   weights (``bf16``: held so in the fake model, its activations measured), or NF4 linear weights
   (:data:`model.quantization.NF4_BYTES_PER_WEIGHT`) with the rest fp32;
-- its trained tensors (every denoiser weight, or the LoRA/DoRA, the text encoders' LoRA, learned words): as
-  :func:`sdforge.training.memory_plan.rank_state_bytes` counts them — the fp32 weight, AdamW's two moments, the EMA
-  (on the card), the post-hoc EMA's profiles where the phase keeps them (16 B each, 24 B with two profiles; the
-  gradients are freed before the forward's peak, as the memory plan counts);
+- its trained tensors (every denoiser weight, or the LoRA/DoRA, the text encoders' LoRA, learned words, or a
+  ControlNet's weights, copied from the frozen denoiser it steers as training copies it, the denoiser held in fp32
+  beside it): as :func:`sdforge.training.memory_plan.rank_state_bytes` counts them — the fp32 weight, AdamW's two
+  moments, the EMA (on the card), the post-hoc EMA's profiles where the phase keeps them (16 B each, 24 B with two
+  profiles; the gradients are freed before the forward's peak, as the memory plan counts);
 - the text encoders in ``train.text_encoder_dtype`` (bf16 on CUDA) and, when they train a LoRA, what their forward
   keeps for the backward (always kept: checkpointing is the denoiser's);
-- the denoiser's activations, measured. Under bf16 autocast a frozen fp32 weight's bf16 copy is kept for the
+- the denoiser's activations, measured (with a ControlNet: both networks' forward, under a conditioning image of the
+  bucket's pixel size). Under bf16 autocast a frozen fp32 weight's bf16 copy is kept for the
   backward wherever a LoRA upstream needs the gradient to flow through it: that is the profile's fixed part.
 
 **NF4 is derived, not measured**: torchao's tensors do not run under FakeTensorMode. Its linear keeps the 4-bit
@@ -58,6 +60,8 @@ from sdforge.training.model_setup import PROBE_TOKENS, activation_profile
 
 log = logging.getLogger(__name__)
 
+VAE_FACTOR = 8
+"""SD's VAE (and SDXL's, and the 16-channel ones): pixels per latent side."""
 BATCH_LIMIT = 64
 """The largest micro-batch the table tries."""
 
@@ -90,21 +94,20 @@ class SetupMemory:
         return fits[-1] if fits else 0
 
 
-def adapter_phases(params: Params) -> list[str]:
-    """The configuration's phases that train an adapter, in order."""
-    return [name for name in params.phase_names() if params.phases[name].adapter is not None]
+def frozen_base_phases(params: Params) -> list[str]:
+    """The configuration's phases that train beside a frozen denoiser (an adapter or a ControlNet), in order."""
+    return [name for name in params.phase_names()
+            if params.phases[name].adapter is not None or params.phases[name].controlnet is not None]  # fmt: skip
 
 
 def forecast_phases(params: Params) -> list[str]:
-    """The phases the forecast models, in order: every phase but a ControlNet's or a distillation's."""
+    """The phases the forecast models, in order: every phase but a distillation's."""
     return [name for name in params.phase_names() if not unmodelled(params, name)]
 
 
 def unmodelled(params: Params, phase: str) -> str | None:
-    """Why ``phase`` is not forecast (a ControlNet or distillation phase holds a second network), or None."""
+    """Why ``phase`` is not forecast (a distillation phase runs its teacher's solve too), or None."""
     spec = params.phases[phase]
-    if spec.controlnet is not None:
-        return "a ControlNet phase (the ControlNet beside the frozen denoiser is not modelled)"
     if spec.distill is not None:
         return "a distillation phase (the teacher's solve is not modelled)"
     return None
@@ -121,9 +124,9 @@ def measure_setup(params: Params, phase: str) -> SetupMemory:
     spec, denoiser_family = params.phases[phase].adapter, family(params.models.denoiser.family)
     latent_hw = largest_latent(params, phase)
     mode = _fake_mode()
-    unet = _fake_denoiser(params, denoiser_family, spec, mode)
+    unet = _fake_denoiser(params, denoiser_family, spec, mode, params.phases[phase].controlnet)
     with mode:
-        profile = activation_profile(unet, denoiser_family, torch.device("cpu"), True, latent_hw)
+        profile = activation_profile(unet, denoiser_family, torch.device("cpu"), True, latent_hw, VAE_FACTOR)
     trainable = sum(p.numel() for p in unet.parameters() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in unet.parameters() if not p.requires_grad)
     if spec is not None and spec.base_precision == "nf4":
@@ -136,7 +139,8 @@ def measure_setup(params: Params, phase: str) -> SetupMemory:
     trained = trainable + text_trainable + words
     text_bytes = sum(p.numel() * p.element_size() for e in encoders.values() for p in e.parameters()
                      if not p.requires_grad)  # fmt: skip
-    return SetupMemory(phase, describe(spec), trained, frozen, trained * trained_bytes_each(params, phase),
+    setup = describe(spec) if params.phases[phase].controlnet is None else describe_controlnet(params, phase)
+    return SetupMemory(phase, setup, trained, frozen, trained * trained_bytes_each(params, phase),
                        text_bytes, text_per_sample, text_fixed, profile, latent_hw)  # fmt: skip
 
 
@@ -155,10 +159,15 @@ def describe(spec) -> str:
     return " ".join(parts)
 
 
+def describe_controlnet(params: Params, phase: str) -> str:
+    """A ControlNet phase's setup in a few words: its condition and the frozen denoiser it steers."""
+    return f"{params.phases[phase].controlnet.condition} ControlNet on the frozen {params.models.denoiser.family}"
+
+
 def largest_latent(params: Params, phase: str) -> tuple[int, int]:
     """The latent size of the largest-area bucket of the phase's resolution (SD's VAE: ÷8)."""
     w, h = max(shapes_of(params.bucket_sets()[params.phase_resolution(phase)]), key=lambda wh: wh[0] * wh[1])
-    return h // 8, w // 8
+    return h // VAE_FACTOR, w // VAE_FACTOR
 
 
 def _fake_mode():
@@ -168,10 +177,11 @@ def _fake_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _fake_denoiser(params: Params, denoiser_family: DenoiserFamily, spec, mode) -> torch.nn.Module:
+def _fake_denoiser(params: Params, denoiser_family: DenoiserFamily, spec, mode, controlnet=None) -> torch.nn.Module:
     """The full-size denoiser, every weight trained, or with the phase's adapter (as
-    :func:`sdforge.training.model_setup` adds it; a bf16 base held so, a quantised one not: see :func:`_as_nf4`), as
-    fake CPU tensors in train mode."""
+    :func:`sdforge.training.model_setup` adds it; a bf16 base held so, a quantised one not: see :func:`_as_nf4`), or
+    frozen under the phase's ``controlnet`` (the family's, copied from it as training copies it), as fake CPU tensors
+    in train mode."""
     with torch.device("meta"):
         unet = denoiser_family.build(denoiser_family.config(params.models.denoiser_spec), seed=0).requires_grad_(True)
         if spec is not None and spec.base_precision == "bf16":
@@ -179,6 +189,9 @@ def _fake_denoiser(params: Params, denoiser_family: DenoiserFamily, spec, mode) 
         if spec is not None:
             pattern = target_pattern(spec.targets, denoiser_family.lora_groups)
             add_adapter(unet, lora_config(spec.type, spec.rank, spec.alpha, spec.dropout, pattern))
+        if controlnet is not None:
+            unet = denoiser_family.controlled(unet.requires_grad_(False), VAE_FACTOR, 0, controlnet.conditioning_scale,
+                                              controlnet.embedding_channels)  # fmt: skip
     return as_fake_tensors(unet, mode, torch.device("cpu")).train()
 
 

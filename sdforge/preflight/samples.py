@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sdforge.config import Source
+from sdforge.control.edges import canny_edges
 from sdforge.demo.corpus import diffusiondb_part_bytes, encode_image, stable_hash
 from sdforge.ingest.metadata import matching_files
 
@@ -239,6 +240,19 @@ def _draw_shape(img: np.ndarray, rng: np.random.Generator, shape: str, colour: t
         phases = np.radians(angle) + 2 * np.pi * np.arange(corners) / corners
         pts = np.stack([cx + r * np.cos(phases), cy + r * np.sin(phases)], axis=1).astype(np.int32)
         cv2.fillPoly(img, [pts], colour, cv2.LINE_AA)
+
+
+def write_control_image(path: Path, side: int, thresholds: dict[str, int], seed: int = 0) -> Path:
+    """The Canny map (``thresholds``: ``conditions.canny``) of one image drawn as the samples are — a gradient with
+    a circle, a square and a triangle — ``side`` px square, white edges on black: a conditioning image for ``sdforge
+    generate --control-image`` (the preflight's generate step on a ControlNet phase)."""
+    rng = np.random.default_rng(seed)
+    img = _gradient(rng, side, (30, 30, 60), (220, 210, 190))
+    for shape in SHAPES[:3]:
+        _draw_shape(img, rng, shape, tuple(int(c) for c in rng.integers(0, 256, 3)))
+    edges = canny_edges(img, **thresholds)
+    cv2.imwrite(str(path), np.repeat((edges * 255).astype(np.uint8)[..., None], 3, axis=2))
+    return path
 
 
 def _draw_figure(img: np.ndarray, box: tuple[float, float, float, float], clothes: tuple[int, ...]) -> None:

@@ -3,6 +3,9 @@ saved in the run dir and logged to MLflow.
 
 The first ``train.validation_prompts`` eval prompts, with ``eval``'s default steps, guidance,
 negative prompt and seeds (``eval.seed + i``), so the images line up with the phase's eval grid.
+A ControlNet phase draws, instead, its first held-out samples (or, when it holds none out, its first
+training samples) under their own conditions and captions, as its eval grid does, and its grid shows
+each condition above its image.
 Sampling draws its noise from its own CPU generators and swaps the EMA weights in and back out
 exactly, so a run with validation trains bit-identically to one without.
 """
@@ -14,10 +17,13 @@ from pathlib import Path
 
 import numpy as np
 from diffusers import AutoencoderKL
+from PIL import Image
 
 from sdforge.config import Params
+from sdforge.eval.control import HeldOutControl, condition_rgb, holds_samples, index_controls
 from sdforge.eval.grid import captioned_grid
 from sdforge.eval.sampling import Pipeline, generate
+from sdforge.io import held_out_path
 from sdforge.training.hooks import Hook
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,11 @@ class Validator:
         self.distill = job.phase.distill.model_dump() if job.phase.distill is not None else None
         if self.distill is not None:  # a distill phase samples as its eval grid will: few steps, no CFG
             self.steps, self.guidance = self.distill["sampling_steps"], 1.0
+        self.controlnet = job.phase.controlnet.model_dump() if job.phase.controlnet is not None else None
+        self.controls: list[HeldOutControl] = []
+        if self.controlnet is not None:
+            self.controls = validation_controls(params, job.phase_name, params.train.validation_prompts)
+            self.prompts = [control.caption for control in self.controls]
         self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(job.dist.device).eval()
 
     def due(self, step: int) -> bool:
@@ -52,6 +63,7 @@ class Validator:
             objective=job.objective,
             flow_shift=job.phase.flow_shift,
             distill=self.distill,
+            controlnet=self.controlnet,
         )
         job.optim.settle()  # a background checkpoint may still be copying the live weights
         ema.store(trainable)
@@ -59,12 +71,40 @@ class Validator:
         unet.eval()
         try:
             with cond.evaluating():
+                if self.controls:
+                    return [self._controlled(pipe, i, control) for i, control in enumerate(self.controls)]
                 return generate(pipe, self.prompts, negative_prompt=self.negative, steps=self.steps,
                                 guidance_scale=self.guidance, seeds=[self.seed + i for i in range(len(self.prompts))],
                                 batch_size=len(self.prompts))  # fmt: skip
         finally:
             unet.train()
             ema.restore(trainable)
+
+    def _controlled(self, pipe: Pipeline, i: int, control: HeldOutControl) -> np.ndarray:
+        """Sample ``i`` drawn under its condition at the condition's size (seed ``eval.seed + i``)."""
+        height, width = control.edges.shape
+        return generate(pipe, [control.caption], control_images=[condition_rgb(control.edges)],
+                        negative_prompt=self.negative, steps=self.steps, guidance_scale=self.guidance,
+                        seeds=[self.seed + i], width=width, height=height)[0]  # fmt: skip
+
+    def grid(self, images: list[np.ndarray]) -> Image.Image:
+        """The captioned grid of one validation step: a row of images, each below its condition where it has one."""
+        if not self.controls:
+            return captioned_grid(images, self.prompts, columns=len(images))
+        conditions = [condition_rgb(control.edges) for control in self.controls]
+        return captioned_grid([*conditions, *images], ["condition"] * len(conditions) + self.prompts,
+                              columns=len(images))  # fmt: skip
+
+
+def validation_controls(params: Params, phase: str, count: int) -> list[HeldOutControl]:
+    """A ControlNet phase's validation samples: its first ``count`` held-out samples with a condition, or its first
+    training samples' when it holds none out (``train.held_out: 0``)."""
+    index = Path(params.paths.mixes) / f"{phase}.parquet"
+    held = held_out_path(index)
+    if not holds_samples(held):
+        log.info("train.validation_every: %s holds no samples out; its validation images are drawn under its first "
+                 "training samples' conditions", phase)  # fmt: skip
+    return index_controls(params, phase, held if holds_samples(held) else index, count)
 
 
 VALIDATION_DIR = "validation"
@@ -82,10 +122,6 @@ class ValidationHook(Hook):
         self.validator = None
 
     def start(self, job) -> None:
-        if self.every > 0 and job.phase.controlnet is not None:
-            log.warning("train.validation_every: a ControlNet phase samples no validation images (each needs a "
-                        "condition); its eval grid draws held-out samples under theirs (docs/CONTROL.md)")  # fmt: skip
-            return
         if job.dist.is_main or job.model.sharded:  # a sharded model samples on every rank (its forward is collective)
             self.validator = Validator(self.params, job)
 
@@ -99,7 +135,7 @@ class ValidationHook(Hook):
             images = self.validator.images(job)
         if not job.dist.is_main:
             return
-        grid = captioned_grid(images, self.validator.prompts, columns=len(images))
+        grid = self.validator.grid(images)
         path = self.run_dir / VALIDATION_DIR / f"step-{report.step:08d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)

@@ -166,3 +166,27 @@ def test_a_full_phase_holds_every_weight_with_its_posthoc_profiles_and_the_cli_f
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-2])["memory"]
     assert [r["phase"] for r in rows] == ["phase0", "phase1"] and rows[0]["latent"] == "32x32"  # 256²
     assert rows[0]["peak_b1_gib"] < rows[1]["peak_b1_gib"]  # a quarter of the tokens
+
+
+def test_a_controlnet_phase_trains_the_controlnet_beside_the_frozen_unet_and_the_cli_forecasts_it(tmp_path, capsys):
+    """configs/full/controlnet.yaml's Canny phase (with a tiny UNet layout): the trained weights are exactly the
+    ControlNet that ``ControlNetModel.from_unet`` copies, the UNet is held frozen in fp32, both networks' activations
+    are measured (more per sample than the UNet's alone), and ``--memory`` forecasts it without ``--phase``."""
+    data = merged(yaml.safe_load((REPO / "configs/full/params.yaml").read_text()),
+                  yaml.safe_load((REPO / "configs/full/controlnet.yaml").read_text()))  # fmt: skip
+    data["models"]["unet"] = {**yaml.safe_load((REPO / "params.yaml").read_text())["models"]["unet"],
+                              "addition_embed_type": None, "sample_size": 64}  # fmt: skip
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    params = parse_params(data)
+    unet_family = family("unet")
+    unet = unet_family.build(unet_family.config(params.models.denoiser_spec), seed=0)
+    controlled = unet_family.controlled(unet, 8, 0, 1.0)
+    canny, plain = measure_setup(params, "phase8_canny"), measure_setup(params, "phase7")
+    assert canny.trainable == sum(p.numel() for p in controlled.controlnet.parameters())
+    assert canny.frozen_bytes == 4 * sum(p.numel() for p in unet.parameters())
+    assert canny.trained_bytes == canny.trainable * 16  # weight, AdamW's two moments, the EMA; no post-hoc profiles
+    assert canny.setup == "canny ControlNet on the frozen unet" and canny.latent_hw == (64, 64)
+    assert sum(canny.profile.kept_per_sample.values()) > sum(plain.profile.kept_per_sample.values())
+    assert preflight_main(["--params", str(tmp_path / "params.yaml"), "--overlay", "none", "--memory"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-2])["memory"]
+    assert [r["phase"] for r in rows] == ["phase8_canny"] and rows[0]["trainable"] == canny.trainable

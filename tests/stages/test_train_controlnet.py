@@ -8,19 +8,27 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from diffusers import ControlNetModel
+from diffusers import AutoencoderKL, ControlNetModel
+from PIL import Image
 from safetensors.torch import load_file
 
+from bench.gpu import workspace
 from model.denoisers import family
 from sdforge.config import load_params, parse_params
+from sdforge.eval.control import condition_rgb
+from sdforge.eval.grid import captioned_grid
 from sdforge.io import InputError, conditions_path
 from stages import mix_phase
 from tests.fixtures.training import (
+    SAMPLES,
     assert_equal_files,
     check_resumed,
     clone_workspace,
@@ -50,14 +58,31 @@ def controlnet_workspace(straight_phase1: Path, root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, straight_phase1):
-    """Phase 2 as a ControlNet phase straight through (eager), and SIGKILLed then resumed with
-    ``train.cuda_graphs: step`` (the static-buffer step on a CPU)."""
+    """Phase 2 as a ControlNet phase straight through (eager, with validation images every 3 steps), and SIGKILLed
+    then resumed with ``train.cuda_graphs: step`` (the static-buffer step on a CPU) and no validation."""
     straight = controlnet_workspace(straight_phase1, tmp_path_factory.mktemp("straight"))
+    data = yaml.safe_load(straight.read_text())
+    data["train"].update(validation_every=3, validation_prompts=2)
+    straight.write_text(yaml.safe_dump(data))
+    decoding_vae(Path(data["paths"]["models"]))
     killed = controlnet_workspace(straight_phase1, tmp_path_factory.mktemp("killed"))
     data = yaml.safe_load(killed.read_text())
     data["train"]["cuda_graphs"] = "step"
     killed.write_text(yaml.safe_dump(data))
     return straight_and_killed(straight, killed, "phase2", KILL_AT)
+
+
+def decoding_vae(models: Path) -> None:
+    """A random VAE of the tiny store's factor (64-px buckets, 8x8 latents: 8) in place of the workspace's (factor 2;
+    training never reads it): validation decodes what it samples, at its condition's size."""
+    blocks = 4
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKL(block_out_channels=[8] * blocks, down_block_types=["DownEncoderBlock2D"] * blocks,
+                            up_block_types=["UpDecoderBlock2D"] * blocks, latent_channels=4, norm_num_groups=4,
+                            layers_per_block=1)  # fmt: skip
+    shutil.rmtree(models / "vae")
+    vae.save_pretrained(models / "vae")
 
 
 def test_sigkill_then_resume_gives_bitwise_equal_controlnet_weights(runs):
@@ -106,6 +131,26 @@ def test_the_trained_controlnet_reads_its_condition_and_steers_the_unet(runs):
     assert (steered - plain).abs().max() > 1e-4  # its residuals change the UNet's prediction
     with pytest.raises(RuntimeError, match="without a conditioning image"):
         unet_family.predict(controlled, x, t, cond)
+
+
+def test_validation_images_are_drawn_under_the_first_samples_conditions_without_changing_training(runs):
+    """The straight run sampled validation images (it holds no samples out: its first training samples'
+    conditions); its weights equal the resumed run's, which sampled none (the resume test)."""
+    paths = load_params(runs[0] / "params.yaml").paths
+    folder = Path(paths.runs) / "phase2/validation"
+    grids = sorted(p.name for p in folder.glob("*.png"))
+    assert grids == ["step-00000003.png", "step-00000006.png"]
+    keys = pq.read_table(Path(paths.mixes) / "phase2.parquet", columns=["key"]).column("key").to_pylist()
+    firsts = [int(k) for k in keys if int(k) not in MISSING][:2]
+    w, h = workspace.BUCKET
+    maps = np.random.default_rng(0).random((SAMPLES, h * w)) < 0.2  # write_conditions' maps (seed 0)
+    conditions = [condition_rgb(maps[k].reshape(h, w)) for k in firsts]
+    grid = np.asarray(Image.open(folder / grids[-1]).convert("RGB"))
+    want = np.asarray(captioned_grid([*conditions, *conditions], ["condition"] * 2 + ["c", "c"], 2))
+    assert grid.shape == want.shape
+    top = grid.shape[0] // 2  # the conditions' row; the drawn images are the row below
+    assert np.array_equal(grid[:top], want[:top])
+    assert grid[top:].std() > 0
 
 
 def test_a_controlnet_phase_without_its_conditions_names_the_stage_to_run(fresh_workspace):
