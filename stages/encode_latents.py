@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from model.precision import uses_bf16_autocast
+from model.precision import encode_precision
 from sdforge.captions.store import read_captions
 from sdforge.config import Encode, Params
 from sdforge.ingest.buckets import Size, shapes_of
@@ -87,7 +87,7 @@ def run(
     buckets = buckets or [(cfg.resolution, cfg.resolution)]
     models_dir, out_dir = Path(models_dir), Path(out_dir)
     device = resolve_device(cfg.device)
-    precision = "bf16" if uses_bf16_autocast(torch.device(device), cfg.mixed_precision) else "fp32"
+    precision = encode_precision(torch.device(device), cfg.mixed_precision)
     tars = list_inputs(shard_dir)
     encoder = encoder_fingerprint(models_dir, cfg, precision, buckets)
     open_out_dir(out_dir, {t.shard for t in tars})

@@ -14,6 +14,9 @@ Decisions a later engineer must know:
   ``config.json``). To support another hub id, copy its config here; nothing else changes.
 * ``stabilityai--sd-vae-ft-mse.json`` is that repo's ``config.json`` plus ``scaling_factor: 0.18215``
   (the old file omits it; diffusers' default is the same value, written out so it cannot drift).
+* ``stabilityai--sdxl-vae.json`` (SDXL's VAE: SD's architecture, ``scaling_factor`` 0.13025, ``force_upcast``: it
+  overflows fp16) and ``madebyollin--sdxl-vae-fp16-fix.json`` (the same, ``force_upcast: false``) are those repos'
+  ``config.json`` fields that shape the model (both MIT; docs/SDXL.md "The VAE's precision").
 * ``openai--clip-vit-large-patch14.json`` sets ``bos/eos/pad_token_id`` to 49406/49407/49407 where the
   hub's ``text_config`` says 0/2/1. transformers treats ``eos_token_id == 2`` as legacy and pools at the
   argmax of the input ids; with 49407 it pools at the first ``<|endoftext|>``. For CLIP's vocabulary

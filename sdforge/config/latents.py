@@ -52,8 +52,10 @@ class Encode(Section):
     """Threads decoding and resizing JPEGs (OpenCV releases the GIL)."""
     prefetch_shards: int = Field(2, ge=0)
     """Input tars read ahead of the one being decoded (downloaded ahead when the input is s3://)."""
-    mixed_precision: Literal["no", "bf16"] = "bf16"
-    """bf16 autocast on CUDA, and on a CPU with native bf16 (AVX512-BF16/AMX); fp32 elsewhere."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "bf16"
+    """The VAE encoder's precision: ``bf16`` autocast on CUDA, and on a CPU with native bf16 (AVX512-BF16/AMX), fp32
+    elsewhere; ``fp16`` autocast everywhere (a card without bf16), for a VAE that does not overflow it — SDXL's does
+    (NaN latents, refused by name): use ``madebyollin/sdxl-vae-fp16-fix`` (docs/SDXL.md); ``no``: fp32."""
     channels_last: bool = True
     """channels_last VAE and inputs on CUDA."""
     compile: bool = False

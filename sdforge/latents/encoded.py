@@ -245,7 +245,7 @@ def encode_and_write(
         decode_workers=cfg.decode_workers,
         prefetch_shards=cfg.prefetch_shards,
         device=device,
-        bf16=precision == "bf16",
+        precision=precision,
         channels_last=cfg.channels_last,
         compile=cfg.compile,
         max_pixels=max_pixels,

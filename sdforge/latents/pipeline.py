@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from model.latents import encode_latents, uint8_to_model_range
+from model.precision import AUTOCAST_DTYPES
 from sdforge.ingest.buckets import Size
+from sdforge.io import InputError
 from sdforge.latents.inputs import Decoded, HashingReader, TarInput, Tokens, decode_chunk, iter_tar_groups
 from sdforge.latents.prefetch import Prefetcher
 
@@ -63,7 +65,8 @@ class Options:
     decode_workers: int = 4
     prefetch_shards: int = 2
     device: str = "cpu"
-    bf16: bool = False
+    precision: str = "fp32"
+    """The encoder's autocast: ``bf16``, ``fp16`` or ``fp32`` (none); the stage's choice, model.precision."""
     channels_last: bool = False
     compile: bool = False
     max_pixels: int | None = None
@@ -194,6 +197,7 @@ def _encode_batches(
         stats["wait_seconds"] += t1 - t0
         if isinstance(item, _Batch):
             item.images = encoder(item.images)  # the batch now carries its latents
+            check_finite(item.images, item.rows, feeder.opts.precision)
             done.setdefault(item.bucket, []).append(item)
             stats["encode_seconds"] += time.perf_counter() - t1
             stats["images"] += len(item.rows)
@@ -211,6 +215,19 @@ def _encode_batches(
         done = {}
         if item.tar is feeder.tars[-1]:
             return
+
+
+def check_finite(latents: torch.Tensor, rows: list[dict], precision: str) -> None:
+    """An :class:`~sdforge.io.InputError` naming the samples whose latents are not finite, and what to change."""
+    bad = ~torch.isfinite(latents.flatten(1)).all(dim=1)
+    if not bool(bad.any()):
+        return
+    keys = [row["key"] for row, b in zip(rows, bad.tolist(), strict=True) if b]
+    fix = ("the VAE overflows fp16 (SDXL's does): set encode.mixed_precision: bf16 (or no), or models.vae to an "
+           "fp16-safe VAE such as madebyollin/sdxl-vae-fp16-fix" if precision == "fp16" else
+           "the VAE itself returned NaN/inf on these images: check models.vae and the images")  # fmt: skip
+    raise InputError(f"encode: {len(keys)} of {len(rows)} samples' latents are not finite under "
+                     f"encode.mixed_precision {precision} (keys {keys[:5]}): {fix}")  # fmt: skip
 
 
 class _BatchFeeder:
@@ -351,8 +368,8 @@ def _encoder(vae, opts: Options, device: torch.device) -> Callable[[torch.Tensor
         vae = vae.to(memory_format=torch.channels_last)
     if opts.compile:  # one graph per bucket shape (a handful): dynamic shapes would cost more than the recompiles
         vae.encoder = torch.compile(vae.encoder, dynamic=False)
-    # opts.bf16: the stage's choice (model.precision.uses_bf16_autocast: CUDA, or a CPU with native bf16)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if opts.bf16 else contextlib.nullcontext()
+    dtype = AUTOCAST_DTYPES.get(opts.precision)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def encode(images: torch.Tensor) -> torch.Tensor:
         n = images.shape[0]

@@ -29,6 +29,7 @@ from model.latents import images_to_tensor
 from sdforge.captions.store import SCHEMA
 from sdforge.demo.models import write_demo_tokenizer
 from sdforge.ingest.shards import tar_bytes
+from sdforge.io import InputError
 from sdforge.latents import store as store
 from sdforge.latents.encoded import MANIFEST_SCHEMA
 from stages import encode_latents
@@ -68,12 +69,42 @@ def test_bf16_on_a_cpu_with_native_bf16_stays_close_to_fp32(models, tmp_path, mo
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
     m32 = encode_latents.run(cfg(mixed_precision="bf16"), "laion", tmp_path / "shards", models, tmp_path / "fp32")
     assert (m["precision"], m32["precision"]) == ("bf16", "fp32")
-    low, full = (
-        torch.from_numpy(np.array(store.open_shard(d / store.shard_name(0, SQ)).latents)).float()
-        for d in (tmp_path / "bf16", tmp_path / "fp32")
-    )
-    assert not torch.equal(low, full)  # bf16 really ran
-    torch.testing.assert_close(low, full, atol=0.05 * float(full.abs().max()), rtol=0.05)
+    assert_close_but_not_equal(tmp_path / "bf16", tmp_path / "fp32", 0.05)
+
+
+def assert_close_but_not_equal(low_dir: Path, full_dir: Path, share: float) -> None:
+    """The first shard's latents of ``low_dir`` (a reduced precision really ran: not equal) within ``share`` of
+    ``full_dir``'s (fp32), relative and of its largest magnitude."""
+    low, full = (torch.from_numpy(np.array(store.open_shard(d / store.shard_name(0, SQ)).latents)).float()
+                 for d in (low_dir, full_dir))  # fmt: skip
+    assert not torch.equal(low, full)
+    torch.testing.assert_close(low, full, atol=share * float(full.abs().max()), rtol=share)
+
+
+def test_fp16_stays_close_to_fp32_and_is_its_own_encoder(models, tmp_path):
+    write_tars(tmp_path / "shards", n_tars=1, per_tar=6)
+    m = encode_latents.run(cfg(mixed_precision="fp16"), "laion", tmp_path / "shards", models, tmp_path / "fp16")
+    m32 = encode_latents.run(cfg(mixed_precision="no"), "laion", tmp_path / "shards", models, tmp_path / "fp32")
+    assert (m["precision"], m32["precision"]) == ("fp16", "fp32")
+    assert_close_but_not_equal(tmp_path / "fp16", tmp_path / "fp32", 0.01)
+    again = encode_latents.run(cfg(mixed_precision="no"), "laion", tmp_path / "shards", models, tmp_path / "fp16")
+    assert again["shards_encoded"] == 1  # another precision is another encoder: the shard is redone
+
+
+def test_a_vae_that_overflows_fp16_is_refused_naming_the_key_and_the_fix(models, tmp_path):
+    """A VAE whose first convolution's outputs pass fp16's 65504 (as SDXL's VAE's activations do): fp32 encodes
+    finite latents, fp16 would store NaN — an InputError naming the samples, the key and the fp16-safe VAE."""
+    hot = tmp_path / "models"
+    shutil.copytree(models, hot)
+    vae = AutoencoderKL.from_pretrained(hot / "vae")
+    with torch.no_grad():
+        vae.encoder.conv_in.weight.mul_(1e5)
+    vae.save_pretrained(hot / "vae")
+    write_tars(tmp_path / "shards", n_tars=1, per_tar=4)
+    m = encode_latents.run(cfg(mixed_precision="no"), "laion", tmp_path / "shards", hot, tmp_path / "fp32")
+    assert m["samples"] == 4
+    with pytest.raises(InputError, match=r"4 of 4 samples.*mixed_precision fp16.*sdxl-vae-fp16-fix"):
+        encode_latents.run(cfg(mixed_precision="fp16"), "laion", tmp_path / "shards", hot, tmp_path / "fp16")
 
 
 def stamps(root: Path) -> dict[str, tuple[bytes, int]]:
