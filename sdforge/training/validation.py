@@ -45,11 +45,14 @@ class Validator:
         if self.controlnet is not None:
             self.controls = validation_controls(params, job.phase_name, params.train.validation_prompts)
             self.prompts = [control.caption for control in self.controls]
+            if not self.controls:
+                log.warning("train.validation_every: none of %s's samples has a condition; it samples no validation "
+                            "images (condition_images' metrics say why)", job.phase_name)  # fmt: skip
         self.vae = AutoencoderKL.from_pretrained(Path(params.paths.models) / "vae").to(job.dist.device).eval()
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` gets validation images."""
-        return self.every > 0 and step % self.every == 0
+        return self.every > 0 and step % self.every == 0 and bool(self.prompts)
 
     def images(self, job) -> list[np.ndarray]:
         """One RGB uint8 image per validation prompt from the job's EMA weights; the live weights are put back."""
