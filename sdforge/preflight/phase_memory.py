@@ -26,9 +26,12 @@ profile into a peak per micro-batch, with nothing or every unit checkpointed.
   bucket's pixel size). Under bf16 autocast a frozen fp32 weight's bf16 copy is kept for the
   backward wherever a LoRA upstream needs the gradient to flow through it: that is the profile's fixed part.
 
-**NF4 is derived, not measured**: torchao's tensors do not run under FakeTensorMode. Its linear keeps the 4-bit
-weight for the backward (``LinearNF4.save_for_backward``), not a bf16 copy, so an NF4 setup is the same adapter's
-fp32-base profile with the bf16 copies of the quantised linears taken out of each unit's fixed part.
+**NF4 and int8 are derived, not measured**: torchao's tensors do not run under FakeTensorMode. NF4's linear keeps the
+4-bit weight for the backward (``LinearNF4.save_for_backward``), not a bf16 copy, so an NF4 setup is the same
+adapter's fp32-base profile with the bf16 copies of the quantised linears taken out of each unit's fixed part. int8's
+(torchao 0.18's ``Int8Tensor``, weight-only) keeps the dequantised weight — a bf16 ``[out, in]`` tensor under
+autocast, measured with ``saved_tensors_hooks`` on a real layer — so its profile is the fp32 base's as measured and
+only the frozen bytes change (1 B a weight and an fp32 scale a row).
 
 Not counted: the CUDA context and the allocator's fragmentation (the memory plan's ``USABLE_SHARE`` leaves 10 % of
 the budget for them) and the VAE (latents are precomputed). No GPU has measured an SDXL peak yet.
@@ -131,6 +134,8 @@ def measure_setup(params: Params, phase: str) -> SetupMemory:
     frozen = sum(p.numel() * p.element_size() for p in unet.parameters() if not p.requires_grad)
     if spec is not None and spec.base_precision == "nf4":
         profile, frozen = _as_nf4(unet, profile, frozen)
+    if spec is not None and spec.base_precision == "int8":
+        frozen -= _int8_saving(unet)
     encoders, text_trainable = _fake_text_encoders(params, denoiser_family, spec, mode)
     text_lora = spec is not None and spec.text_encoders
     text_per_sample, text_fixed = _text_activation_bytes(encoders, mode) if text_lora else (0.0, 0.0)
@@ -244,6 +249,14 @@ def _as_nf4(unet: torch.nn.Module, profile: ActivationProfile, frozen: float) ->
         quantised += module.weight.numel()
     fixed = {u: max(0.0, v - copies.get(u, 0.0)) for u, v in profile.kept_fixed.items()}
     return replace(profile, kept_fixed=fixed), frozen - quantised * (4 - NF4_BYTES_PER_WEIGHT)
+
+
+def _int8_saving(unet: torch.nn.Module) -> float:
+    """Bytes an int8 base saves on the fp32 one: each frozen linear weight in 1 byte and an fp32 scale per output row
+    instead of 4 bytes a weight. Its profile is the fp32 base's: torchao's ``Int8Tensor`` keeps the dequantised weight
+    (bf16 under autocast) for the backward, as an fp32 weight keeps its bf16 copy (module docstring)."""
+    linears = [m.weight for name, m in unet.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in name]
+    return float(sum(w.numel() * 4 - (w.numel() + w.shape[0] * 4) for w in linears))
 
 
 def memory_rows(setups: list[SetupMemory], budgets_gib: list[float]) -> list[dict]:

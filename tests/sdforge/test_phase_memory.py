@@ -118,6 +118,19 @@ def test_nf4_holds_its_linears_in_half_a_byte_and_keeps_no_bf16_copy(tmp_path):
     assert plain.latent_hw == (128, 128)  # px1024's largest bucket, 1024², through SD's VAE
 
 
+def test_an_int8_base_holds_its_linears_in_a_byte_and_a_row_scale_and_keeps_the_fp32_bases_copies(tmp_path):
+    """torchao's int8 weight-only linear keeps its dequantised weight for the backward (measured on a real layer in
+    the module docstring): the profile is the fp32 base's; only the frozen bytes shrink, by arithmetic."""
+    params = _sdxl_params(tmp_path)
+    plain, int8 = measure_setup(params, "sdxl_attention"), measure_setup(params, "sdxl_int8")
+    sdxl = family("sdxl")
+    unet = sdxl.build(sdxl.config(params.models.denoiser_spec), seed=0)
+    linears = [m.weight for m in unet.modules() if type(m) is torch.nn.Linear]
+    assert plain.frozen_bytes - int8.frozen_bytes == sum(3 * w.numel() - 4 * w.shape[0] for w in linears)
+    assert int8.profile.kept_fixed == plain.profile.kept_fixed  # the bf16 copies stay
+    assert int8.profile.kept_per_sample == plain.profile.kept_per_sample and int8.trainable == plain.trainable
+
+
 def test_a_bf16_base_is_measured_held_so_and_keeps_no_cast_copy(tmp_path):
     params = _sdxl_params(tmp_path)
     plain, half = measure_setup(params, "sdxl_attention"), measure_setup(params, "sdxl_bf16")
@@ -134,14 +147,16 @@ def test_the_cli_forecasts_every_adapter_phase_of_the_sdxl_overlay(tmp_path, cap
     assert preflight_main(["--params", str(tmp_path / "params.yaml"), "--overlay", "none", "--memory"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     rows = json.loads(out[-2])["memory"]
-    assert [r["phase"] for r in rows] == ["sdxl_attention", "sdxl_text_encoders", "sdxl_dora", "sdxl_nf4", "sdxl_bf16"]
+    assert [r["phase"] for r in rows] == ["sdxl_attention", "sdxl_text_encoders", "sdxl_dora", "sdxl_nf4", "sdxl_bf16",
+                                          "sdxl_int8"]  # fmt: skip
     by = {r["phase"]: r for r in rows}
     assert by["sdxl_text_encoders"]["trainable"] > by["sdxl_attention"]["trainable"]  # the encoders' LoRA
     assert by["sdxl_text_encoders"]["peak_b1_gib"] > by["sdxl_attention"]["peak_b1_gib"]
     assert by["sdxl_nf4"]["frozen_gib"] < by["sdxl_attention"]["frozen_gib"]
     assert 1.4 < by["sdxl_attention"]["text_encoders_gib"] < 1.6  # CLIP-L + bigG, 818 M weights in bf16
-    assert by["sdxl_nf4"]["frozen_gib"] < by["sdxl_bf16"]["frozen_gib"] < by["sdxl_attention"]["frozen_gib"]
-    assert out[-1].startswith("RESULT name=preflight_memory ok=true phases=5 family=sdxl")
+    assert by["sdxl_nf4"]["frozen_gib"] < by["sdxl_int8"]["frozen_gib"] < by["sdxl_bf16"]["frozen_gib"]
+    assert by["sdxl_bf16"]["frozen_gib"] < by["sdxl_attention"]["frozen_gib"]
+    assert out[-1].startswith("RESULT name=preflight_memory ok=true phases=6 family=sdxl")
     assert any(line.startswith("| sdxl_dora | dora r32") for line in out)
 
 
