@@ -18,6 +18,9 @@ from sdforge.config import ConfigError
 VAE_ID, CLIP_ID = "stabilityai/sd-vae-ft-mse", "openai/clip-vit-large-patch14"
 BIGG_ID = "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"
 """The second text encoder of the mmdit family (SD3's OpenCLIP ViT-bigG/14)."""
+SDXL_VAE_IDS = ["madebyollin/sdxl-vae-fp16-fix", "stabilityai/sdxl-vae"]
+"""SDXL's VAE and its fp16-safe fine-tune (docs/SDXL.md "The VAE's precision")."""
+VAE_IDS = sorted([VAE_ID, *SDXL_VAE_IDS])
 
 
 def _n_params(module: torch.nn.Module) -> int:
@@ -40,8 +43,16 @@ def text_encoder():
 
 
 def test_known_architectures_are_keyed_by_hub_id():
-    assert known_architectures() == [BIGG_ID, CLIP_ID, VAE_ID]
-    assert known_architectures("vae") == [VAE_ID] and known_architectures("text_encoder") == [BIGG_ID, CLIP_ID]
+    assert known_architectures() == sorted([BIGG_ID, CLIP_ID, *VAE_IDS])
+    assert known_architectures("vae") == VAE_IDS and known_architectures("text_encoder") == [BIGG_ID, CLIP_ID]
+
+
+def test_the_sdxl_vaes_are_sds_architecture_with_sdxls_scaling_and_only_the_fix_runs_in_fp16():
+    with torch.device("meta"):
+        sd, sdxl, fix = (build_random_vae(hub_id, 0) for hub_id in (VAE_ID, *SDXL_VAE_IDS[::-1]))
+    assert _n_params(sdxl) == _n_params(fix) == _n_params(sd)
+    assert sdxl.config.scaling_factor == fix.config.scaling_factor == 0.13025
+    assert sdxl.config.force_upcast and not fix.config.force_upcast
 
 
 def test_bigg_is_built_with_its_real_size_and_projection():
@@ -116,5 +127,5 @@ def test_unknown_id_names_the_id_the_key_and_the_known_ids(build, hub_id, key):
         build(hub_id, 0)
     message = str(err.value)
     assert message.startswith(key + ":") and repr(hub_id) in message
-    known = [VAE_ID] if key == "models.vae" else [BIGG_ID, CLIP_ID]
+    known = VAE_IDS if key == "models.vae" else [BIGG_ID, CLIP_ID]
     assert repr(known) in message
