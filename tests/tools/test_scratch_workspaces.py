@@ -146,3 +146,15 @@ def test_demo_sdxl_refuses_a_users_folder_and_its_params_are_the_three_setups(tm
     assert {p: (a.text_encoders, a.base_precision) for p, a in setups.items()} == {
         "phase8": ([], "fp32"), "phase8_te": (["text_encoder", "text_encoder_2"], "fp32"), "phase8_nf4": ([], "nf4")}
     assert {params.phases[p].init_from for p in setups} == {"phase1"}
+
+
+def test_demo_controlnet_takes_another_text_encoder_draw_into_its_workspace_params(tmp_path):
+    from sdforge.config import load_params
+    from tools import demo_controlnet
+
+    first = demo_controlnet.make_workspace(tmp_path / "draw0")
+    second = demo_controlnet.make_workspace(tmp_path / "draw1", text_encoder_seed=1)
+    assert load_params(tmp_path / "draw0" / "params.yaml").models.text_encoder_seed == 0
+    assert load_params(tmp_path / "draw1" / "params.yaml").models.text_encoder_seed == 1
+    first["models"]["text_encoder_build"]["seed"] = 1  # the draw is the only difference
+    assert first == second
