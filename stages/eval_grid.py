@@ -20,7 +20,7 @@ from pathlib import Path
 from PIL import Image
 
 from sdforge.config import DemoData, Eval, Params
-from sdforge.eval.coco import run_protocol
+from sdforge.eval.coco import phase_end_samples, run_protocol
 from sdforge.eval.control import evaluate_control, held_out_controls
 from sdforge.eval.grid import (
     captioned_grid,
@@ -147,8 +147,8 @@ def run_stage(params: Params, phase: str) -> dict:
         settings = getattr(params.conditions, spec.condition).model_dump()
         control = held_out_controls(params, phase, params.eval.control_samples), settings
     metrics = run(scoring_eval(params), params.demo, Path(params.paths.models), checkpoint, out_dir, control)
-    if params.eval.coco.phase_end_samples:  # FID-5k at full scale (docs/EVAL.md "COCO protocol")
-        metrics.update(run_protocol(params, checkpoint, params.eval.coco.phase_end_samples, out_dir / COCO))
+    if samples := phase_end_samples(params, phase):  # FID-5k at full scale (docs/EVAL.md "COCO protocol")
+        metrics.update(run_protocol(params, checkpoint, samples, out_dir / COCO))
     with stage_run(params.tracking, phase, "eval_grid", params.eval.model_dump(), parent_params) as mlflow:
         mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
         mlflow.log_artifact(str(out_dir / "grid.png"))

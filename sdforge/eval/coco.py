@@ -201,6 +201,17 @@ def load_scorers(params: Params, device: torch.device) -> Scorers:
     return Scorers(inception, clip, Path(params.eval.coco.images or "."))
 
 
+def phase_end_samples(params: Params, phase: str) -> int:
+    """The COCO protocol's captions at ``phase``'s end: ``eval.coco.phase_end_samples``, or 0 for a ControlNet phase
+    (its UNet is its ``init_from`` phase's, frozen, whose own eval measured it; COCO's captions have no conditions)."""
+    if params.phases[phase].controlnet is not None:
+        if params.eval.coco.phase_end_samples:
+            log.info("COCO protocol skipped for %s: a ControlNet phase (its frozen UNet is %s's, measured there)",
+                     phase, params.phases[phase].init_from)  # fmt: skip
+        return 0
+    return params.eval.coco.phase_end_samples or 0
+
+
 def run_protocol(params: Params, checkpoint_dir: Path, samples: int, out_dir: Path, device: str = "auto",
                  use_ema: bool = True) -> dict:  # fmt: skip
     """The whole protocol on one phase checkpoint: ``samples`` prompts, their images, FID and CLIP score;

@@ -288,10 +288,16 @@ def coco_row(runs: list[StageRun], full: dict[str, Any], pod: Pod) -> Row | None
     ev = full.get("eval", {})
     guidance = coco.get("guidance_scale") or ev.get("guidance_scale", 7.5)
     per_image = _calls(coco.get("steps") or ev.get("steps", 50), guidance)
-    work = int(coco["phase_end_samples"]) * len(full.get("phases", {})) * per_image
+    work = int(coco["phase_end_samples"]) * coco_phases(full) * per_image
     note = f"{coco['phase_end_samples']:,} captions x phases x {per_image} UNet calls; pod rate assumed 3x training's"
     _project(row, _rate(done, seconds), "UNet calls/s", work, 3 * pod.train_img_s * pod.gpus, note)
     return row
+
+
+def coco_phases(full: dict[str, Any]) -> int:
+    """The phases whose eval grid runs the COCO protocol: those sampled (``eval_grid`` not false) that are not
+    ControlNet phases (:func:`sdforge.eval.coco.phase_end_samples`)."""
+    return sum(1 for p in full.get("phases", {}).values() if p.get("eval_grid", True) and not p.get("controlnet"))
 
 
 def _calls(steps: float, guidance: float) -> int:

@@ -210,3 +210,12 @@ def test_a_distill_phase_gets_its_own_train_row():
     lcm = by_stage["train_distill"]
     assert lcm.full_work == 96_000 and lcm.rate == pytest.approx(1 / 50)
     assert lcm.pod_hours == pytest.approx(round(96_000 / 50 / 3600, 2))  # 2 GPUs × 50 img/s ÷ 2
+
+
+def test_a_controlnet_phase_is_evaluated_on_two_held_out_conditions_and_a_smaller_setting_is_kept():
+    from sdforge.preflight.derive import PREFLIGHT_CONTROL_SAMPLES
+
+    assert PREFLIGHT_CONTROL_SAMPLES == 2 and "control_samples" not in FULL["eval"]  # the default: 8
+    assert derived()["eval"]["control_samples"] == 2
+    one = {**FULL, "eval": {**FULL["eval"], "control_samples": 1}}
+    assert derive_params(one, Shrink(), REPO)["eval"]["control_samples"] == 1

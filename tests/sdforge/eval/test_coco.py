@@ -149,3 +149,20 @@ def test_phase_end_samples_add_the_protocol_to_the_eval_grid_stage(coco_params, 
     assert metrics["coco_samples"] == 3 and metrics["coco_fid"] > 0 and metrics["coco_clip_score"] is not None
     assert metrics["clip_score"] is not None  # the grid's own CLIP score uses the same scorer
     assert json.loads((tmp_path / "eval/phase1/coco/coco.json").read_text())["metrics"]["coco_samples"] == 3
+
+
+def test_a_controlnet_phase_end_runs_no_coco_protocol_and_the_forecast_does_not_count_it(caplog):
+    from types import SimpleNamespace
+
+    from sdforge.eval.coco import phase_end_samples
+    from sdforge.preflight.forecast import coco_phases
+
+    phases = {"phase7": SimpleNamespace(controlnet=None, init_from="phase6"),
+              "phase8_canny": SimpleNamespace(controlnet={"condition": "canny"}, init_from="phase7")}  # fmt: skip
+    params = SimpleNamespace(phases=phases, eval=SimpleNamespace(coco=SimpleNamespace(phase_end_samples=5000)))
+    with caplog.at_level("INFO", logger="sdforge.eval.coco"):
+        assert phase_end_samples(params, "phase7") == 5000 and phase_end_samples(params, "phase8_canny") == 0
+    assert "COCO protocol skipped for phase8_canny: a ControlNet phase" in caplog.text and "phase7's" in caplog.text
+    full = {"phases": {"phase7": {}, "phase8_canny": {"controlnet": {"condition": "canny"}},
+                       "phase9": {"eval_grid": False}}}  # fmt: skip
+    assert coco_phases(full) == 1
