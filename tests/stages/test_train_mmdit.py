@@ -96,8 +96,8 @@ def test_a_lora_phase_trains_and_its_file_loads_with_load_lora_weights(straight,
 
     shutil.copytree(straight / "checkpoints/phase1", tmp_path / "checkpoints/phase1")
     data = yaml.safe_load(params.read_text())
-    data["phases"]["phase2"]["adapter"] = {"rank": 2, "targets": ["attention", "context_attention"], "merge": False,
-                                           "words": ["red"]}  # one learned row in each CLIP: the export writes both
+    data["phases"]["phase2"]["adapter"] = {"rank": 2, "targets": ["attention", "context_attention", "modulation"],
+                                           "merge": False, "words": ["red"]}  # the demo's phase 8; both CLIPs' rows
     params.write_text(yaml.safe_dump(data))
     done = train(params, "phase2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -108,7 +108,8 @@ def test_a_lora_phase_trains_and_its_file_loads_with_load_lora_weights(straight,
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "export", **metrics["load"])
     pipe.load_lora_weights(tmp_path / "export")
     lora = [n for n, _ in pipe.transformer.named_parameters() if "lora_" in n]
-    assert lora and all(".attn." in n for n in lora)
+    assert lora and all(".attn." in n or ".norm1" in n for n in lora)  # attention and adaLN modulation only
+    assert any(".norm1.linear." in n for n in lora) and any(".norm1_context.linear." in n for n in lora)
     ours = generate(load_pipeline(tmp_path / "models", checkpoint, device="cpu"), PROMPTS, steps=3,
                     guidance_scale=3.0, seeds=[1, 2])  # fmt: skip
     theirs = pipe(PROMPTS, num_inference_steps=3, guidance_scale=3.0, output_type="np", height=16, width=16,

@@ -122,7 +122,8 @@ def test_demo_mmdit_refuses_a_users_folder_and_its_params_are_the_mmdit_family(t
     _refuses_a_users_folder(demo_mmdit, "demo_mmdit", tmp_path, capsys)
     params = parse_params(demo_mmdit.mmdit_params())
     assert params.models.denoiser.family == "mmdit" and list(params.phases) == [f"phase{i}" for i in range(9)]
-    assert params.phases["phase8"].adapter.targets == ["attention", "context_attention"]
+    assert params.phases["phase8"].adapter.targets == ["attention", "context_attention", "modulation"]
+    assert params.eval.guidance_scale == 4.0 and params.eval.steps == 15  # the overlay's guidance, the demo's steps
 
 
 def test_demo_mmdit_runs_its_stages_without_the_preflights_malloc_threshold(monkeypatch):
