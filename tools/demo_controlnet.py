@@ -35,7 +35,8 @@ OVERLAY = REPO / "configs" / "demo-controlnet" / "overlay.yaml"
 PHASE = "phase10_canny"
 WORKSPACE_MARKER = ".sdforge-demo-controlnet"
 FIGURES = ("canny_f1", "canny_f1_base", "placement_iou", "placement_iou_base", "shape_agreement",
-           "shape_agreement_base", "colour_agreement", "colour_agreement_base")  # fmt: skip
+           "shape_agreement_base", "shape_agreement_decoded", "colour_agreement", "colour_agreement_base",
+           "colour_agreement_decoded")  # fmt: skip
 
 
 def make_workspace(out: Path, text_encoder_seed: int | None = None) -> dict[str, Any]:

@@ -71,11 +71,21 @@ def render_demo(demo: DemoData, pixels: int, n: int, rng: np.random.Generator) -
 
     The VAE stands in for a pretrained one that has seen every colour: trained on the five corpus colours
     only, it decoded orange on white as yellow for a third of the shapes, and phase 8's adapter could not
-    draw what the frozen VAE cannot (issue 40). The concept is new to the prompt, not to the pixels."""
+    draw what the frozen VAE cannot (issue 40). The concept is new to the prompt, not to the pixels.
+
+    It has seen every size too: with a ``demo.placed`` source, every other image is drawn at ``placed.half_size``
+    (:func:`render_sizes`). Trained on the corpus' large shapes only, it decoded a third of the small green shapes
+    as purple, and the ControlNet phase drew them so (docs/CONTROL.md)."""
     shown = shown_specs(list(demo.palette), list(demo.shapes), list(demo.backgrounds), demo.held_out)
     specs = [shown[int(i)] for i in rng.integers(0, len(shown), size=n)]
-    images = [render_spec(demo, spec, rng, pixels) for spec in specs]
+    sizes = render_sizes(demo)
+    images = [render_spec(demo, spec, rng, pixels, sizes[i % len(sizes)]) for i, spec in enumerate(specs)]
     return np.stack(images), specs
+
+
+def render_sizes(demo: DemoData) -> list[tuple[float, float]]:
+    """The half-size ranges the VAE's renders take in turn: the corpus', then the ``placed`` source's if any."""
+    return [demo.half_size] + ([demo.placed.half_size] if demo.placed is not None else [])
 
 
 def to_model_range(images: np.ndarray) -> torch.Tensor:

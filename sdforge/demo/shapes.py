@@ -120,16 +120,18 @@ def truth_canvas(demo: DemoData, pixels: Size) -> tuple[int, int]:
     return round(width * scale), round(height * scale)
 
 
-def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixels: Size | None = None) -> np.ndarray:
-    """``spec`` as the demo corpus draws it (its palette, ``demo.half_size``) at ``demo.image_size``, then
-    resized to ``pixels`` with INTER_AREA (how the fetch brings it to the training size) when given.
+def render_spec(demo: DemoData, spec: ShapeSpec, rng: np.random.Generator, pixels: Size | None = None,
+                half_size: tuple[float, float] | None = None) -> np.ndarray:  # fmt: skip
+    """``spec`` as the demo corpus draws it (its palette, ``demo.half_size`` unless ``half_size`` is given) at
+    ``demo.image_size``, then resized to ``pixels`` with INTER_AREA (how the fetch brings it to the training size)
+    when given.
 
     ``pixels`` may be ``(width, height)``: the shape is then drawn on :func:`truth_canvas` (that aspect, the
     shorter side ``demo.image_size``, so the shape has the corpus' size relative to the shorter side) and
     resized to exactly ``width``×``height``."""
     colour, background = demo.palette[spec.colour], demo.backgrounds[spec.background]
     canvas = truth_canvas(demo, pixels) if pixels is not None else (demo.image_size, demo.image_size)
-    img = render(spec, canvas, colour, background, rng, demo.half_size)
+    img = render(spec, canvas, colour, background, rng, half_size or demo.half_size)
     if pixels is not None and as_wh(pixels) != canvas:
         img = cv2.resize(img, as_wh(pixels), interpolation=cv2.INTER_AREA)
     return img

@@ -6,10 +6,12 @@ without it (the base: the same UNet, prompt and seed), and scored (docs/CONTROL.
   image with the condition's own thresholds (:func:`sdforge.control.edges.edge_f1`), averaged;
 - for demo captions, the probe's colour and shape agreement (``controlnet.shape_agreement``, ``_base``) and the
   placement score ``controlnet.placement_iou`` (``_base``): the median IoU of the drawn shape's mask with the
-  condition's filled outline.
+  condition's filled outline;
+- the same agreements on the samples' own latents decoded (``controlnet.shape_agreement_decoded``, ...): what a
+  denoiser that drew each latent exactly would score, the ceiling the VAE sets.
 
 Output ``<eval>/<phase>/controlnet.json`` (the figures and every sample's), ``controlnet/NN_{condition,controlnet,
-base}.png`` and ``strips/controlnet.png`` (condition, image, base image per row).
+base,decoded}.png`` and ``strips/controlnet.png`` (condition, image, base image per row).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+import torch
 from PIL import Image
 
+from model.sampler import decode_to_uint8
 from sdforge.config import DemoData, Eval, Params
 from sdforge.control.edges import canny_edges, edge_f1, filled_outline, mask_iou
 from sdforge.control.reader import condition_reader
@@ -39,12 +43,14 @@ CONTROL_DIR, CONTROL_FILE = "controlnet", "controlnet.json"
 
 @dataclasses.dataclass(frozen=True)
 class HeldOutControl:
-    """One held-out sample's caption and condition (``bool [H, W]`` at its bucket's size)."""
+    """One held-out sample's caption, condition (``bool [H, W]`` at its bucket's size) and latent (``[C, h, w]``,
+    scaled as stored; None where not read)."""
 
     source: str
     key: str
     caption: str
     edges: np.ndarray
+    latent: torch.Tensor | None = None
 
 
 def held_out_controls(params: Params, phase: str, count: int) -> list[HeldOutControl]:
@@ -75,7 +81,8 @@ def index_controls(params: Params, phase: str, index: Path, count: int) -> list[
         missing = reader.missing
         edges = reader.gather(np.array([position]))[0, 0].numpy() > 0.5
         if reader.missing == missing:
-            out.append(HeldOutControl(row["source"], row["key"], captions[row["source"], row["key"]], edges))
+            caption, latent = captions[row["source"], row["key"]], data.gather(np.array([position]))[0][0]
+            out.append(HeldOutControl(row["source"], row["key"], caption, edges, latent))
         if len(out) == count:
             break
     return out
@@ -97,6 +104,7 @@ def evaluate_control(pipe: Pipeline, controls: list[HeldOutControl], cfg: Eval, 
     base = dataclasses.replace(pipe, unet=pipe.denoiser, controlnet=None)
     rows = [_scored(pipe, base, i, control, cfg, thresholds, demo) for i, control in enumerate(controls)]
     (out_dir / CONTROL_DIR).mkdir(parents=True, exist_ok=True)
+    decoded = decoded_latents(pipe, controls, out_dir / CONTROL_DIR)
     cells, captions = [], []
     for i, (control, row) in enumerate(zip(controls, rows, strict=True)):
         images = (condition_rgb(control.edges), row.pop("image"), row.pop("base_image"))
@@ -105,6 +113,9 @@ def evaluate_control(pipe: Pipeline, controls: list[HeldOutControl], cfg: Eval, 
         cells += images
         captions += ["condition", f"F1 {row['canny_f1']:.2f}: {control.caption}", f"base F1 {row['canny_f1_base']:.2f}"]
     figures = _summary(rows, [c.caption for c in controls], cells, demo)
+    if decoded:
+        figures.update(_agreement([image for _, image in decoded], [controls[i].caption for i, _ in decoded], demo,
+                                  "_decoded"))  # fmt: skip
     captioned_grid(cells, captions, 3).save(out_dir / "strips" / "controlnet.png")
     write_json(out_dir / CONTROL_FILE, {**figures, "per_sample": rows})
     return figures
@@ -135,9 +146,26 @@ def _summary(rows: list[dict], captions: list[str], cells: list[np.ndarray], dem
         placed = [r[f"placement_iou{suffix}"] for r in rows if f"placement_iou{suffix}" in r]
         out[f"controlnet.placement_iou{suffix}"] = _rounded(np.median(placed)) if placed else None
     for suffix, images in (("", cells[1::3]), ("_base", cells[2::3])):
-        probe = probe_agreement(images, captions, demo)
-        for what in ("colour_agreement", "shape_agreement"):
-            out[f"controlnet.{what}{suffix}"] = probe.get(what) if probe.get("probe_prompts") else None
+        out.update(_agreement(images, captions, demo, suffix))
+    return out
+
+
+def _agreement(images: list[np.ndarray], captions: list[str], demo: DemoData, suffix: str) -> dict:
+    """``controlnet.{colour,shape}_agreement<suffix>``: the probe's agreements (None without demo captions)."""
+    probe = probe_agreement(images, captions, demo)
+    return {f"controlnet.{what}{suffix}": probe.get(what) if probe.get("probe_prompts") else None
+            for what in ("colour_agreement", "shape_agreement")}  # fmt: skip
+
+
+def decoded_latents(pipe: Pipeline, controls: list[HeldOutControl], out_dir: Path) -> list[tuple[int, np.ndarray]]:
+    """``(i, image)`` of each control that has its latent, decoded by ``pipe``'s VAE and written as
+    ``NN_decoded.png``: what the phase was trained to draw, as far as the VAE can show it."""
+    out = []
+    for i, control in enumerate(controls):
+        if control.latent is not None:
+            image = decode_to_uint8(pipe.vae, control.latent[None].to(pipe.vae.device))[0].numpy()
+            Image.fromarray(image).save(out_dir / f"{i:02d}_decoded.png")
+            out.append((i, image))
     return out
 
 

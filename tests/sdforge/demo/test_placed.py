@@ -11,7 +11,8 @@ import yaml
 
 from sdforge.config import parse_params
 from sdforge.demo.corpus import PLACED_DIR, placed_images
-from sdforge.demo.shapes import foreground_mask, parse_caption, probe
+from sdforge.demo.models import render_demo, render_sizes
+from sdforge.demo.shapes import foreground_mask, parse_caption, probe, render_spec, shown_specs
 from tools.demo_controlnet import OVERLAY, PHASE
 from tools.tiny_demo import merged
 
@@ -54,3 +55,23 @@ def test_the_workspace_params_add_the_source_its_conditions_and_the_controlnet_p
     assert params.conditions.kinds == ["canny"] and params.sources["placed"].kind == "local"
     assert phase.samples + params.train.held_out == params.demo.placed.images == 504
     assert params.eval.control_samples <= params.train.held_out  # scored on held-out samples only
+
+
+def test_the_demo_vae_also_trains_on_placed_sizes_and_the_plain_demo_renders_what_it_did(tmp_path):
+    params = _params(tmp_path)
+    demo, plain = params.demo, params.demo.model_copy(update={"placed": None})
+    images, specs = render_demo(demo, 32, 40, np.random.default_rng(5))
+    widths = [np.ptp(np.nonzero(foreground_mask(image))[1]) + 1 for image in images]
+    small, large = widths[1::2], widths[0::2]  # every other render at placed.half_size (max 0.3 of 48 px at 32 px)
+    assert max(small) < min(large) and max(small) <= 2 * 0.3 * 32 + 2
+    assert render_sizes(demo) == [demo.half_size, demo.placed.half_size] and render_sizes(plain) == [demo.half_size]
+    rng_a, rng_b = np.random.default_rng(5), np.random.default_rng(5)
+    again, plain_specs = render_demo(plain, 32, 6, rng_a)  # without a placed source: one size, as before
+    shown = shown_specs(list(demo.palette), list(demo.shapes), list(demo.backgrounds), demo.held_out)
+    before = [shown[int(i)] for i in rng_b.integers(0, len(shown), size=6)]
+    assert plain_specs == before
+    assert all(np.array_equal(a, render_spec(plain, s, rng_b, 32)) for a, s in zip(again, before, strict=True))
+
+
+def test_the_overlay_trains_its_vae_long_enough_for_small_shapes(tmp_path):
+    assert _params(tmp_path).models.vae_build.train_steps == 2400  # docs/CONTROL.md "The VAE's ceiling"

@@ -10,15 +10,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
+from model.latents import encode_latents, images_to_tensor
+from model.sampler import decode_to_uint8
 from sdforge.config import load_params
 from sdforge.control.edges import canny_edges, edge_f1, filled_outline, mask_iou
 from sdforge.demo.shapes import foreground_mask, parse_caption, render_spec
 from sdforge.eval.control import HeldOutControl, held_out_controls
-from sdforge.eval.grid import captioned_grid
+from sdforge.eval.grid import captioned_grid, probe_agreement
 from sdforge.eval.sampling import generate, load_pipeline
 from sdforge.io import InputError
+from sdforge.latents.loader import LatentIndexDataset
 from stages import eval_grid
 from tests.fixtures.eval_workspace import make_workspace, write_controlnet_phase, write_params
 from tests.fixtures.training import SAMPLES, build_workspace, controlnet_params, write_conditions
@@ -37,11 +41,13 @@ def evaluated(tmp_path_factory):
     write_controlnet_phase(base, ckpt)
     params = load_params(write_params(root, models, ckpt.parent, prompts={"shapes": CAPTIONS[:1]}))
     rng = np.random.default_rng(3)
+    vae = load_pipeline(models, base).vae
     controls = []
     for i, caption in enumerate(CAPTIONS):
         spec = parse_caption(CAPTIONS[i % 2])
-        edges = canny_edges(render_spec(params.demo, spec, rng, pixels=16), **THRESHOLDS)
-        controls.append(HeldOutControl("laion", f"{i:04d}", caption, edges))
+        image = render_spec(params.demo, spec, rng, pixels=16)
+        latent = encode_latents(vae, images_to_tensor([image]))[0] if i != 1 else None  # the second: none read
+        controls.append(HeldOutControl("laion", f"{i:04d}", caption, canny_edges(image, **THRESHOLDS), latent))
     out = root / "eval" / "phase2"
     metrics = eval_grid.run(params.eval, params.demo, models, ckpt, out, control=(controls, THRESHOLDS))
     return root, params, models, base, ckpt, out, controls, metrics
@@ -70,6 +76,20 @@ def test_every_figure_is_the_images_own(evaluated):
         assert metrics[f"controlnet.canny_f1{suffix}"] == pytest.approx(np.mean(f1[suffix]), abs=1e-6)
         assert metrics[f"controlnet.placement_iou{suffix}"] == pytest.approx(np.median(iou[suffix]), abs=1e-6)
     assert metrics["controlnet.shape_agreement"] in (0.0, 0.5, 1.0)  # over the two demo captions
+
+
+def test_the_decoded_figures_are_the_probe_on_the_samples_own_latents(evaluated):
+    _, params, models, base, _, out, controls, metrics = evaluated
+    vae = load_pipeline(models, base).vae
+    assert not (out / "controlnet" / "01_decoded.png").exists()  # its latent was not read
+    decoded = {}
+    for i in (0, 2):
+        decoded[i] = np.asarray(Image.open(out / "controlnet" / f"{i:02d}_decoded.png"))
+        assert np.array_equal(decoded[i], decode_to_uint8(vae, controls[i].latent[None])[0].numpy())
+    probe = probe_agreement([decoded[0], decoded[2]], [CAPTIONS[0], CAPTIONS[2]], params.demo)  # one demo caption
+    assert probe["probe_prompts"] == 1
+    for what in ("colour_agreement", "shape_agreement"):
+        assert metrics[f"controlnet.{what}_decoded"] == probe[what] and probe[what] in (0.0, 1.0)
 
 
 def test_the_base_images_are_the_base_phases_and_the_controlled_ones_its_controlnets(evaluated):
@@ -103,8 +123,10 @@ def test_held_out_controls_are_the_held_out_samples_conditions_passing_over_miss
     controls = held_out_controls(params, "phase2", 3)
     assert [c.key for c in controls] == [keys[0], keys[2], keys[3]]  # the second has no condition
     drawn = np.random.default_rng(0).random((SAMPLES, 64 * 64)) < 0.2  # the fixture's maps (seed 0)
-    for control in controls:
+    data = LatentIndexDataset(held, Path(params.paths.latents), params.phase_resolution("phase2"))
+    for position, control in zip((0, 2, 3), controls, strict=True):
         assert control.caption == "c" and np.array_equal(control.edges.reshape(-1), drawn[int(control.key)])
+        assert torch.equal(control.latent, data.gather(np.array([position]))[0][0])  # its own stored latent
     held.rename(held.with_suffix(".gone"))
     with pytest.raises(InputError, match="set train.held_out > 0"):
         held_out_controls(params, "phase2", 3)
