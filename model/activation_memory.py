@@ -94,6 +94,7 @@ def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], torch.T
     units = checkpoint_units(model)
     params = {_storage_id(p) for p in model.parameters()}
     seen: set[int] = set()
+    held: list[torch.Tensor] = []  # every counted tensor lives until the pass ends: no address in `seen` is reused
     stack: list[str] = []
     totals = dict.fromkeys([*units, OUTSIDE], 0)
 
@@ -102,6 +103,7 @@ def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], torch.T
         if ptr in params or ptr in seen:
             return
         seen.add(ptr)
+        held.append(tensor)
         totals[stack[0] if stack else OUTSIDE] += tensor.untyped_storage().nbytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
