@@ -7,9 +7,10 @@ checkpointing on for some units (``selective``), all of them (``full``) or none 
 ``torch.utils.checkpoint`` as diffusers' own ``enable_gradient_checkpointing`` does.
 
 :func:`saved_activation_bytes` measures, per unit, what one forward keeps for its backward: the bytes of every
-tensor autograd saves (``saved_tensors_hooks``; a storage counted once) plus, inside a checkpointed unit, the
-inputs each checkpoint keeps to recompute from. That is the part of a step's peak memory that grows with the batch
-(:mod:`sdforge.training.memory_plan` turns it into a micro-batch and a checkpointing choice; docs/MEMORY.md).
+tensor autograd saves (``saved_tensors_hooks``; a storage counted once, if still saved when the forward returns)
+plus, inside a checkpointed unit, the inputs each checkpoint keeps to recompute from. That is the part of a step's
+peak memory that grows with the batch (:mod:`sdforge.training.memory_plan` turns it into a micro-batch and a
+checkpointing choice; docs/MEMORY.md).
 """
 
 from __future__ import annotations
@@ -89,36 +90,37 @@ def _unit_scope(units: dict[str, torch.nn.Module], stack: list[str]) -> Iterator
 
 def saved_activation_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> dict[str, int]:
     """Bytes one call of ``forward()`` (the model's training forward, loss included) keeps for the backward, per
-    checkpoint unit (and :data:`OUTSIDE`), under the model's current checkpointing. Storages are counted once;
-    parameters (and views of them) are not activations and are left out. No backward is run."""
+    checkpoint unit (and :data:`OUTSIDE`), under the model's current checkpointing: the storages still saved when
+    it returns, each counted once. Parameters (and views of them) are not activations and are left out; so is what
+    the forward saved and freed again (a branch it dropped, e.g. DoRA's weight norm). No backward is run."""
     units = checkpoint_units(model)
     params = {_storage_id(p) for p in model.parameters()}
-    seen: set[int] = set()
-    held: list[torch.Tensor] = []  # every counted tensor lives until the pass ends: no address in `seen` is reused
+    saved: dict[int, tuple[str, torch.UntypedStorage]] = {}  # held, so no freed storage's address is taken again
     stack: list[str] = []
-    totals = dict.fromkeys([*units, OUTSIDE], 0)
 
     def count(tensor: torch.Tensor) -> None:
         ptr = _storage_id(tensor)
-        if ptr in params or ptr in seen:
-            return
-        seen.add(ptr)
-        held.append(tensor)
-        totals[stack[0] if stack else OUTSIDE] += tensor.untyped_storage().nbytes()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = (stack[0] if stack else OUTSIDE, tensor.untyped_storage())
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         count(tensor)
-        return tensor
+        return tensor.detach()  # a saved output holding its own grad_fn would be a cycle: never freed
 
     def record(args: tuple) -> None:
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 count(arg)
 
+    totals = dict.fromkeys([*units, OUTSIDE], 0)
     _Recorder.active.append(record)
     try:
         with _unit_scope(units, stack), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward()
+            loss = forward()  # held while the storages are tallied: its graph keeps them
+            for unit, storage in saved.values():
+                if torch._C._storage_Use_Count(storage._cdata) > 1:  # someone besides `saved` still holds it
+                    totals[unit] += storage.nbytes()
+            del loss
     finally:
         _Recorder.active.remove(record)
     return totals
