@@ -1,7 +1,7 @@
 """Benchmark: one optimizer step of our trainer vs a plain diffusers-style loop, same denoiser and batch.
 
 ``python -m bench.train_step [--quick] [--config demo|full] [--family unet|mmdit] [--batch N] [--ckpt off|on|both]
-[--cuda-graphs off,step]``
+[--cuda-graphs off,step] [--overlay YAML] [--phase NAME] [--memory-budget-gib G]``
 
 ``--family mmdit`` (default: the config's ``models.denoiser.family``) times the MM-DiT of ``models.mmdit`` (the full
 config's default: the 1.2B preset at 64² latents, 1,024 image tokens) under rectified flow; its plain loop is
@@ -27,6 +27,17 @@ before each variant through ``/proc/self/clear_refs``). FLOPs per training sampl
 with ``torch.utils.flop_counter`` on the meta device (forward + backward, batch 1, no recomputation;
 SD1.5 at 64×64: 2.41 TFLOP); MFU is
 achieved FLOP/s ÷ ``--peak-tflops`` (989 TFLOP/s, H100 SXM bf16 dense, on CUDA; none on CPU).
+
+**An adapter phase** (``--phase`` names one with ``adapter:``; e.g. ``--overlay configs/full/sdxl.yaml --phase
+sdxl_attention``, SDXL base 1.0's UNet with the run's self-attention LoRA): ours adds the phase's LoRA/DoRA as the
+trainer does (:func:`sdforge.training.model_setup.add_unet_adapter`, ``adapter.base_precision`` included) and
+trains it in :class:`sdforge.training.trained_model.AdapterUNet`; plain is diffusers'
+``examples/text_to_image/train_text_to_image_lora_sdxl.py`` body — the frozen UNet cast to bf16 where autocast is on
+(its ``weight_dtype``), a peft LoRA of the same rank on the same layers (``init_lora_weights="gaussian"``) kept in
+fp32, AdamW on the LoRA alone, no EMA — called through the family's ``predict`` (SDXL's added conditions). The
+FLOPs (and MFU) stay the full model's training FLOPs: an adapter's backward skips the frozen weights' gradients, so
+its MFU is overstated. ``--memory-budget-gib`` caps the CUDA allocator as ``train.memory_budget_gib`` does
+(:func:`sdforge.training.memory_plan.cap_device_memory`): a smaller card, emulated.
 
 The last line is ``RESULT name=train_step ratio=<ours img/s ÷ plain img/s> ...`` for the first
 (config, checkpointing) pair run.
@@ -54,31 +65,40 @@ from model.sharding import shard_model
 from model.speed import attention_backends, compile_unet
 from sdforge.config import load_params, parse_params
 from sdforge.training.distributed import Dist, step_seeds
+from sdforge.training.memory_plan import cap_device_memory
+from sdforge.training.model_setup import add_unet_adapter
 from sdforge.training.optimization import Optimization
 from sdforge.training.parallel import ensure_process_group
 from sdforge.training.sharded_model import ShardedUNet
 from sdforge.training.state import TrainState
 from sdforge.training.static_step import WARMUP, CudaGraphs, StaticStep
 from sdforge.training.step import micro_step, optimizer_step
-from sdforge.training.trained_model import FullUNet
+from sdforge.training.trained_model import AdapterUNet, FullUNet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
     "demo": REPO / "params.yaml",
     "demo-mmdit": REPO / "configs/demo-mmdit/overlay.yaml",
+    "demo-sdxl": REPO / "configs/demo-sdxl/overlay.yaml",
     "full": REPO / "configs/full/params.yaml",
 }
-"""``demo-mmdit``: the demo with ``make demo-mmdit``'s overlay merged on top (its tiny MM-DiT)."""
+"""``demo-mmdit`` / ``demo-sdxl``: the demo with ``make demo-mmdit``'s / ``make demo-sdxl``'s overlay merged on top
+(its tiny MM-DiT / SDXL UNet)."""
+DEMO_OVERLAYS = ("demo-mmdit", "demo-sdxl")
 H100_BF16_DENSE_TFLOPS = 989.0
 SD15_TFLOP_PER_SAMPLE_64 = 2.6
 """The issue's estimate for SD1.5 at 64×64 latents (forward + backward ≈ 3 × forward)."""
 
 
-def _load(config: str):
-    if config != "demo-mmdit":
+def _load(config: str, overlay: Path | None = None):
+    """``config``'s params (a demo overlay merged onto the demo's), with ``overlay`` merged on top if given."""
+    if config not in DEMO_OVERLAYS and overlay is None:
         return load_params(CONFIGS[config])
-    data = _merged(yaml.safe_load(CONFIGS["demo"].read_text()), yaml.safe_load(CONFIGS[config].read_text()))
-    data["phases"] = {k: v for k, v in data["phases"].items() if "distill" not in v}  # the family refuses distill
+    data = yaml.safe_load(CONFIGS["demo" if config in DEMO_OVERLAYS else config].read_text())
+    for path in ([CONFIGS[config]] if config in DEMO_OVERLAYS else []) + ([overlay] if overlay else []):
+        data = _merged(data, yaml.safe_load(path.read_text()))
+    if config in DEMO_OVERLAYS:  # both families refuse consistency distillation, which the bench never times
+        data["phases"] = {k: v for k, v in data["phases"].items() if "distill" not in v}
     return parse_params(data)
 
 
@@ -106,18 +126,31 @@ def with_family(params, name: str):
     return params.model_copy(update={"models": models})
 
 
+def with_phase(params, name: str):
+    """``params`` with phase ``name`` alone (the bench's phase: its lr, Min-SNR γ, adapter); a KeyError lists the
+    phases."""
+    if name not in params.phases:
+        raise KeyError(f"no phase {name!r}; the config's phases: {sorted(params.phases)}")
+    return params.model_copy(update={"phases": {name: params.phases[name]}})
+
+
 def _random_cond(params, batch: int) -> torch.Tensor:
     """A seeded stand-in for the family's packed text conditioning of ``batch`` prompts (77 tokens)."""
     fam, config = _family_config(params)
     return torch.randn(batch, *fam.cond_shape(config, 77), generator=torch.Generator().manual_seed(1))
 
 
-def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool):
+def _build_unet(params, device: torch.device, ckpt: bool, channels_last: bool, adapt=None):
+    """A copy of the config's seed-0 denoiser, ``adapt(unet)`` applied before it moves to ``device`` (as the
+    trainer adds an adapter), set up for training."""
     fam, config = _family_config(params)
     key = repr(sorted(config.items()))
     if key not in _SEEDED:
         _SEEDED[key] = fam.build(config, seed=0)
-    unet = copy.deepcopy(_SEEDED[key]).to(device).train()
+    unet = copy.deepcopy(_SEEDED[key])
+    if adapt is not None:
+        adapt(unet)
+    unet = unet.to(device).train()
     if ckpt:
         unet.enable_gradient_checkpointing()
     if channels_last:
@@ -170,9 +203,13 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
         update["channels_last"] = channels_last
     cfg = params.train.model_copy(update=update)
     dist = Dist(rank=0, world=1, local_rank=0, device=device)
-    unet = _build_unet(params, device, ckpt, cfg.channels_last)
+    fam = family(params.models.denoiser.family)
+    adapt = None if phase.adapter is None else lambda unet: add_unet_adapter(unet, phase.adapter, fam)
+    unet = _build_unet(params, device, ckpt, cfg.channels_last, adapt)
     compile_unet(unet, compile_)
-    if parallel == "fsdp":
+    if phase.adapter is not None:
+        model = AdapterUNet(unet, dist, phase.adapter)
+    elif parallel == "fsdp":
         ensure_process_group(dist)
         units = shard_model(unet, family(params.models.denoiser.family).shard_blocks, device,
                             uses_bf16_autocast(device, cfg.mixed_precision))  # fmt: skip
@@ -204,6 +241,8 @@ def _plain(params, device, batch, ckpt):
     """diffusers examples/text_to_image/train_text_to_image.py's loop body (the MM-DiT: :func:`_plain_flow`)."""
     if family(params.models.denoiser.family).objectives == ("flow_matching",):
         return _plain_flow(params, device, batch, ckpt)
+    if next(iter(params.phases.values())).adapter is not None:
+        return _plain_lora(params, device, batch, ckpt)
     import torch.nn.functional as F
     from diffusers.training_utils import EMAModel
 
@@ -236,6 +275,57 @@ def _plain(params, device, batch, ckpt):
         optimizer.zero_grad(set_to_none=True)
         ema.step(unet.parameters())
         float(loss.detach())  # the trainer reads the loss every step (a device sync); so does accelerate's logging
+
+    return step
+
+
+def _plain_lora(params, device, batch, ckpt):
+    """diffusers examples/text_to_image/train_text_to_image_lora_sdxl.py's loop body on the phase's adapter layers:
+    the frozen UNet in bf16 where autocast is on, an fp32 peft LoRA (same rank and layers, gaussian init), AdamW
+    over it, no EMA."""
+    import torch.nn.functional as F
+    from peft import LoraConfig
+
+    from model.adapters import target_pattern
+
+    cfg, phase = params.train, next(iter(params.phases.values()))
+    fam = family(params.models.denoiser.family)
+    scheduler = noise_scheduler(params.models.noise.model_dump())
+    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)
+    spec = phase.adapter
+    lora = LoraConfig(r=spec.rank, lora_alpha=spec.alpha or spec.rank, init_lora_weights="gaussian",
+                      target_modules=target_pattern(spec.targets, fam.lora_groups))  # fmt: skip
+
+    def adapt(unet):
+        unet.requires_grad_(False)
+        if bf16:  # the script's weight_dtype for the frozen weights
+            unet.to(torch.bfloat16)
+        unet.add_adapter(lora)
+        for p in unet.parameters():  # the script's cast_training_params(unet, dtype=torch.float32)
+            if p.requires_grad:
+                p.data = p.data.float()
+
+    unet = _build_unet(params, device, ckpt, False, adapt)
+    trained = [p for p in unet.parameters() if p.requires_grad]
+    cond = _random_cond(params, batch).to(device)
+    optimizer = torch.optim.AdamW(trained, lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay,
+                                  eps=cfg.adam_eps)  # fmt: skip
+
+    def step(latents):
+        latents = latents.to(device)
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=device)
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        target = noise if scheduler.config.prediction_type == "epsilon" else scheduler.get_velocity(
+            latents, noise, timesteps)  # fmt: skip
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            pred = fam.predict(unet, noisy, timesteps, cond)
+        loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        float(loss.detach())
 
     return step
 
@@ -442,7 +532,10 @@ def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 round of 3 steps (demo: batch 8); under a minute on CPU")
     ap.add_argument("--config", choices=sorted(CONFIGS), help="default: full on CUDA, demo on CPU")
-    ap.add_argument("--family", choices=["unet", "mmdit"], help="the denoiser; default: the config's")
+    ap.add_argument("--family", choices=["unet", "mmdit", "sdxl"], help="the denoiser; default: the config's")
+    ap.add_argument("--overlay", type=Path, help="a params overlay merged onto the config (configs/full/sdxl.yaml)")
+    ap.add_argument("--phase", help="the phase whose lr, Min-SNR and adapter the step takes; default: the first")
+    ap.add_argument("--memory-budget-gib", type=float, help="cap the CUDA allocator there (train.memory_budget_gib)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--batch", help="comma-separated batch sizes (default: 24 for full, 32 for demo; quick 8)")
     ap.add_argument("--ckpt", choices=["off", "on", "both"], help="gradient checkpointing; default: both on CUDA")
@@ -463,9 +556,12 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if cuda else "cpu")
     config = args.config or ("full" if cuda else "demo")
-    params = _load(config)
+    params = _load(config, args.overlay)
     if args.family:
         params = with_family(params, args.family)
+    if args.phase:
+        params = with_phase(params, args.phase)
+    budget = cap_device_memory(params.train.model_copy(update={"memory_budget_gib": args.memory_budget_gib}), device)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = params.train.tf32
         torch.backends.cudnn.allow_tf32 = params.train.tf32
@@ -497,6 +593,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"FLOPs per training sample (counted): {flops / 1e12:.4g} TFLOP", end="")
     print(f" (issue's SD1.5 estimate {SD15_TFLOP_PER_SAMPLE_64} TFLOP)" if config == "full" else "")
     print(f"MFU peak: {f'{peak_tflops:g} TFLOP/s' if peak_tflops else 'none on CPU (MFU not reported)'}")
+    phase_name, phase = next(iter(params.phases.items()))
+    lora = phase.adapter
+    adapter = "none" if lora is None else f"{lora.type}-r{lora.rank}-{lora.base_precision}"
+    print(f"phase: {phase_name} (adapter {adapter}); memory budget: "
+          + (f"{args.memory_budget_gib:g} GiB ({budget:.1%} of the card)" if budget else "none"))
     rows = measure(params, device, variants, warmup, steps, rounds)
     _report(rows, flops, peak_tflops)
     pair = best_pair(rows)
@@ -524,6 +625,9 @@ def main(argv: list[str] | None = None) -> None:
             attention=ours.attention,
             parallel=ours.parallel,
             cuda_graphs=ours.graphs,
+            phase=phase_name,
+            adapter=adapter,
+            memory_budget_gib=args.memory_budget_gib or 0.0,
             first_step_s=o.first_step_s,
             machine=where,
         )

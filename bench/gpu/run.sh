@@ -58,6 +58,7 @@ if [ "$quick" = 1 ]; then
     "tests|100|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
     "train_step|80|$py -m bench.train_step $cfg --batch 8 --ckpt off --cuda-graphs off,step"
     "mmdit|40|$py -m bench.train_step --config demo-mmdit --device $device --quick --batch 8 --ckpt off"
+    "sdxl_lora|40|$py -m bench.train_step --config demo-sdxl --phase phase8 --device $device --quick --batch 8 --ckpt on --memory-budget-gib 16"
     "attention|30|$py -m bench.gpu.attention_probe --quick --device $device"
     "checkpoint|40|$py -m bench.checkpoint_write --quick --device $device --stall-only --rounds 1"
     "train_check|120|$py -m bench.gpu.train_check --quick --train async_checkpoint=on"
@@ -91,12 +92,16 @@ else
   # at 64), then the rest.
   # Issue 58 (2026-11-29, no lease): train.cuda_graphs step built and tested on CPU; graphs64 is its first GPU figure
   # (compiled blocks at 64, graphs off vs step side by side, against the plain loop), after the kill/resume check.
+  # Issue 60 (2026-11-30, no lease): the SDXL LoRA step under a 16 GiB cap at the batches docs/SDXL.md forecasts
+  # for it (self-attention LoRA on the fp32 base: 3; on a bf16-held base: 9), against diffusers' LoRA script body.
   steps=(
     "train_check|400|env TMPDIR=$ckpt_tmp $py -m bench.gpu.train_check --steps 80 --train async_checkpoint=on"
     "graphs64|400|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --cuda-graphs off,step"
     "fsdp1|300|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile blocks --parallel ddp,fsdp"
     "checkpoint|200|$py -m bench.checkpoint_write --device cuda --stall-only --rounds 1 --dir $ckpt_dir"
     "mmdit96|200|$py -m bench.train_step $full --family mmdit --batch 96 --ckpt off --channels-last off --compile blocks"
+    "sdxl_lora|300|$py -m bench.train_step $full --overlay configs/full/sdxl.yaml --phase sdxl_attention --batch 3 --ckpt on --memory-budget-gib 16"
+    "sdxl_bf16|300|$py -m bench.train_step $full --overlay configs/full/sdxl.yaml --phase sdxl_bf16 --batch 9 --ckpt on --memory-budget-gib 16"
     "tests|90|$py -m pytest -m gpu tests/gpu -q -ra -p no:cacheprovider --noconftest"
     "compile_unet|400|$py -m bench.train_step $full --batch 48 --ckpt off --channels-last off --compile unet"
     "switches64|330|$py -m bench.train_step $full --batch 64 --ckpt off --channels-last off --compile blocks --attention auto,cudnn"

@@ -67,7 +67,7 @@ def build_trained_model(
     if sharded:
         ensure_process_group(dist)
     if phase.adapter is not None:
-        _add_unet_adapter(unet, phase.adapter, denoiser_family)
+        add_unet_adapter(unet, phase.adapter, denoiser_family)
     if phase.controlnet is not None:
         unet = attach_controlnet(unet, phase.controlnet, denoiser_family, vae_factor, cfg.seed)
     unet.to(dist.device).train()
@@ -127,7 +127,7 @@ def activation_profile(unet: torch.nn.Module, denoiser_family: DenoiserFamily, d
     return profile
 
 
-def _add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: DenoiserFamily) -> None:
+def add_unet_adapter(unet: torch.nn.Module, spec: Adapter, denoiser_family: DenoiserFamily) -> None:
     """Freeze ``unet`` and add the phase's LoRA/DoRA on the family's target groups (:mod:`model.adapters`); log
     trainable vs total weights."""
     pattern = target_pattern(spec.targets, denoiser_family.lora_groups)

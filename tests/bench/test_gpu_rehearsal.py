@@ -60,14 +60,16 @@ def test_run_sh_passes_on_the_gpu_package_set_plus_packed_wheels(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
     rows = {line.split()[0]: line.split()[1] for line in summary.splitlines()[2:] if line and not line.startswith(" ")}
-    steps = ("tests", "train_step", "mmdit", "attention", "checkpoint", "train_check", "switches", "encode")
+    steps = ("tests", "train_step", "mmdit", "sdxl_lora", "attention", "checkpoint", "train_check", "switches",
+             "encode")  # fmt: skip
     assert rows == dict.fromkeys(steps, "0"), summary
     results = (out / "results.txt").read_text().splitlines()
     assert [line.split()[1] for line in results] == [
         "name=attention_probe", "name=checkpoint_write", "name=encode_pipeline", "name=train_step",
-        "name=train_step", "name=train_check", "name=train_step",
+        "name=train_step", "name=train_step", "name=train_check", "name=train_step",
     ]  # fmt: skip
     assert "graphs=step" in summary and 'family="mmdit"' in summary  # train.cuda_graphs' plumbing; the MM-DiT's
+    assert 'adapter="lora-r8-fp32"' in summary and 'family="sdxl"' in summary  # the SDXL LoRA step's
     assert "stall_s=" in next(r for r in results if "checkpoint_write" in r)
     assert "ok=true" in next(r for r in results if "train_check" in r) and "resumed_bit_identical=true" in summary
     assert "transformers 5.17.0" in summary and "skipped" in summary  # the image's transformers; gpu tests skip on CPU

@@ -37,7 +37,7 @@ def _sdxl_unet(device: str):
 
 def test_the_fake_profile_is_the_real_one():
     """A tiny SDXL UNet with a LoRA: the fixed parts and FLOPs are equal; what a sample keeps agrees within 0.5 %
-    (a few small tensors whose storages differ in size), checkpointed or not (measured: 384 B of 373 KB under
+    (a few small tensors whose storages differ in size), checkpointed or not (measured: 384 B of 353 KB under
     checkpointing; ~53 KB apart while freed storages' addresses could be counted as already seen)."""
     sdxl, real = _sdxl_unet("cpu")
     _, fake = _sdxl_unet("meta")
