@@ -247,6 +247,7 @@ def _plain(params, device, batch, ckpt):
     from diffusers.training_utils import EMAModel
 
     cfg, phase = params.train, next(iter(params.phases.values()))
+    fam = family(params.models.denoiser.family)
     scheduler = noise_scheduler(params.models.noise.model_dump())
     unet = _build_unet(params, device, ckpt, channels_last=False)
     cond = _random_cond(params, batch).to(device)
@@ -267,7 +268,7 @@ def _plain(params, device, batch, ckpt):
         else:
             target = scheduler.get_velocity(latents, noise, timesteps)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            pred = unet(noisy, timesteps, cond).sample
+            pred = fam.predict(unet, noisy, timesteps, cond)  # the UNet's call; SDXL's with its added conditions
         loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.grad_clip)
