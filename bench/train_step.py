@@ -58,6 +58,7 @@ import torch
 import yaml
 
 from bench._common import load_average, machine, result_line
+from model.adapters import target_pattern
 from model.builders import noise_scheduler
 from model.denoisers import family
 from model.precision import uses_bf16_autocast
@@ -286,8 +287,6 @@ def _plain_lora(params, device, batch, ckpt):
     over it, no EMA."""
     import torch.nn.functional as F
     from peft import LoraConfig
-
-    from model.adapters import target_pattern
 
     cfg, phase = params.train, next(iter(params.phases.values()))
     fam = family(params.models.denoiser.family)
