@@ -239,25 +239,29 @@ def _ours(params, device, batch, ckpt, channels_last=None, compile_="off", atten
 
 
 def _plain(params, device, batch, ckpt):
-    """diffusers examples/text_to_image/train_text_to_image.py's loop body (the MM-DiT: :func:`_plain_flow`)."""
+    """diffusers examples/text_to_image/train_text_to_image.py's loop body (the MM-DiT: :func:`_plain_flow`); on an
+    adapter phase, train_text_to_image_lora_sdxl.py's (:func:`_plain_lora_unet`: the LoRA alone trained, no EMA)."""
     if family(params.models.denoiser.family).objectives == ("flow_matching",):
         return _plain_flow(params, device, batch, ckpt)
-    if next(iter(params.phases.values())).adapter is not None:
-        return _plain_lora(params, device, batch, ckpt)
     import torch.nn.functional as F
     from diffusers.training_utils import EMAModel
 
     cfg, phase = params.train, next(iter(params.phases.values()))
     fam = family(params.models.denoiser.family)
     scheduler = noise_scheduler(params.models.noise.model_dump())
-    unet = _build_unet(params, device, ckpt, channels_last=False)
+    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)  # the trainer's switch: both loops alike
+    if phase.adapter is None:
+        unet = _build_unet(params, device, ckpt, channels_last=False)
+    else:
+        unet = _plain_lora_unet(params, device, ckpt, bf16)
+    trained = [p for p in unet.parameters() if p.requires_grad]
     cond = _random_cond(params, batch).to(device)
     optimizer = torch.optim.AdamW(
-        unet.parameters(), lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
+        trained, lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, eps=cfg.adam_eps
     )
-    ema = EMAModel(unet.parameters())
-    ema.to(device)
-    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)  # the trainer's switch: both loops alike
+    ema = EMAModel(trained) if phase.adapter is None else None
+    if ema is not None:
+        ema.to(device)
 
     def step(latents):
         latents = latents.to(device)
@@ -272,62 +276,35 @@ def _plain(params, device, batch, ckpt):
             pred = fam.predict(unet, noisy, timesteps, cond)  # the UNet's call; SDXL's with its added conditions
         loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(unet.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ema.step(unet.parameters())
+        if ema is not None:
+            ema.step(trained)
         float(loss.detach())  # the trainer reads the loss every step (a device sync); so does accelerate's logging
 
     return step
 
 
-def _plain_lora(params, device, batch, ckpt):
-    """diffusers examples/text_to_image/train_text_to_image_lora_sdxl.py's loop body on the phase's adapter layers:
-    the frozen UNet in bf16 where autocast is on, an fp32 peft LoRA (same rank and layers, gaussian init), AdamW
-    over it, no EMA."""
-    import torch.nn.functional as F
+def _plain_lora_unet(params, device, ckpt, bf16: bool):
+    """train_text_to_image_lora_sdxl.py's model: the frozen UNet in bf16 where autocast is on (its ``weight_dtype``),
+    a peft LoRA of the phase's rank on the phase's layers (gaussian init) kept in fp32."""
     from peft import LoraConfig
 
-    cfg, phase = params.train, next(iter(params.phases.values()))
-    fam = family(params.models.denoiser.family)
-    scheduler = noise_scheduler(params.models.noise.model_dump())
-    bf16 = uses_bf16_autocast(device, cfg.mixed_precision)
-    spec = phase.adapter
+    spec, fam = next(iter(params.phases.values())).adapter, family(params.models.denoiser.family)
     lora = LoraConfig(r=spec.rank, lora_alpha=spec.alpha or spec.rank, init_lora_weights="gaussian",
                       target_modules=target_pattern(spec.targets, fam.lora_groups))  # fmt: skip
 
     def adapt(unet):
         unet.requires_grad_(False)
-        if bf16:  # the script's weight_dtype for the frozen weights
+        if bf16:
             unet.to(torch.bfloat16)
         unet.add_adapter(lora)
         for p in unet.parameters():  # the script's cast_training_params(unet, dtype=torch.float32)
             if p.requires_grad:
                 p.data = p.data.float()
 
-    unet = _build_unet(params, device, ckpt, False, adapt)
-    trained = [p for p in unet.parameters() if p.requires_grad]
-    cond = _random_cond(params, batch).to(device)
-    optimizer = torch.optim.AdamW(trained, lr=phase.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay,
-                                  eps=cfg.adam_eps)  # fmt: skip
-
-    def step(latents):
-        latents = latents.to(device)
-        noise = torch.randn_like(latents)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=device)
-        noisy = scheduler.add_noise(latents, noise, timesteps)
-        target = noise if scheduler.config.prediction_type == "epsilon" else scheduler.get_velocity(
-            latents, noise, timesteps)  # fmt: skip
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            pred = fam.predict(unet, noisy, timesteps, cond)
-        loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        float(loss.detach())
-
-    return step
+    return _build_unet(params, device, ckpt, False, adapt)
 
 
 def _plain_flow(params, device, batch, ckpt):
